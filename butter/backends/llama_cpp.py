@@ -1,0 +1,305 @@
+"""llama.cpp through llama-cpp-python's low-level ctypes API.
+
+One context with a unified KV cache shared by `n_seq` sequences (a partial
+`seq_cp` without a unified cache aborts the process), `swa_full` so sliding-window
+models can rewind and share prefixes exactly, and native sampler chains per
+sequence. Every method that touches the context runs on the engine's single worker
+thread; ctypes releases the GIL during decode so the trio loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+
+from butter.backends.base import (
+    BackendError,
+    CopyPrefix,
+    KvOp,
+    ModelInfo,
+    RemoveTokens,
+    Sampled,
+    SeqWork,
+)
+from butter.errors import ModelLoadError
+from butter.sampling import SamplingParams
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp's CPU matmuls take one code path for batches under 8 rows and another from
+# 8 rows on; a row's result is identical within a path wherever it sits in the batch,
+# but differs (slightly) across paths. Steps that evaluate prompt tokens are padded to
+# 8 rows with a scratch sequence, so a prompt's KV and first logits are bit-identical
+# whether it was prefilled cold, alone, beside others, or reused from the cache.
+# (Weight repacking is off for the same reason: its kernels make a row's result
+# depend on its position in the batch; measured faster here too, see RESULTS.md.)
+MIN_PROMPT_ROWS = 8
+
+_backend_ready = threading.Lock()
+_backend_initialised = False
+_log_callback: Any = None  # kept alive for the life of the process, or llama.cpp segfaults
+
+
+def _init_llama_backend() -> None:
+    global _backend_initialised, _log_callback
+    with _backend_ready:
+        if _backend_initialised:
+            return
+        ll.llama_backend_init()
+
+        def _quiet(level: int, text: bytes, user_data: Any) -> None:
+            return None  # butter logs what matters itself; llama.cpp's chatter is noise.
+
+        _log_callback = ll.llama_log_callback(_quiet)
+        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _backend_initialised = True
+
+
+def check_gguf_file(path: Path) -> None:
+    """Cheap validation before touching the resident model: exists, readable, GGUF magic."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"model file is not readable: {path}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+
+
+class LlamaCppBackend:
+    def __init__(
+        self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
+        threads: int,
+    ) -> None:
+        """`n_cells` may be a function of the trained context (known only after loading)."""
+        _init_llama_backend()
+        check_gguf_file(path)
+        self._piece_buffer = ctypes.create_string_buffer(256)
+        self._model = self._load_model(path)
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        try:
+            self.info = self._read_info(path)
+            cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
+            self._ctx = self._new_context(
+                cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads
+            )
+        except BaseException:
+            ll.llama_model_free(self._model)
+            raise
+        self._mem = ll.llama_get_memory(self._ctx)
+        self.n_cells = int(ll.llama_n_ctx(self._ctx)) - MIN_PROMPT_ROWS  # the padding's
+        self.n_seq = n_seq
+        self._pad_seq = n_seq  # a scratch sequence beyond the sessions' ones
+        self.n_batch = n_batch + MIN_PROMPT_ROWS
+        self.can_shift = bool(ll.llama_memory_can_shift(self._mem))
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._samplers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ loading
+
+    @staticmethod
+    def _load_model(path: Path) -> Any:
+        params = ll.llama_model_default_params()
+        params.use_extra_bufts = False  # no weight repacking: see MIN_PROMPT_ROWS
+        model = ll.llama_model_load_from_file(str(path).encode(), params)
+        if not model:
+            raise ModelLoadError(
+                f"llama.cpp could not load {path} (corrupt, truncated or unsupported model)"
+            )
+        return model
+
+    def _meta(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(4096)
+        length = ll.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
+        if length < 0:
+            return None
+        if length >= len(buffer):
+            buffer = ctypes.create_string_buffer(length + 1)
+            ll.llama_model_meta_val_str(self._model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode("utf-8", errors="replace")
+
+    def _read_info(self, path: Path) -> ModelInfo:
+        description = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self._model, description, len(description))
+        template = ll.llama_model_chat_template(self._model, None)
+        return ModelInfo(
+            path=str(path),
+            architecture=self._meta("general.architecture") or "unknown",
+            description=description.value.decode("utf-8", errors="replace"),
+            n_ctx_train=int(ll.llama_model_n_ctx_train(self._model)),
+            n_vocab=int(ll.llama_vocab_n_tokens(self._vocab)),
+            embedded_chat_template=template.decode("utf-8") if template else None,
+            bos_text=self._special_text(ll.llama_vocab_bos(self._vocab)),
+            eos_text=self._special_text(ll.llama_vocab_eos(self._vocab)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
+            is_recurrent=bool(
+                ll.llama_model_is_recurrent(self._model) or ll.llama_model_is_hybrid(self._model)
+            ),
+            size_bytes=int(ll.llama_model_size(self._model)),
+        )
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self._piece(token, special=True).decode("utf-8", errors="replace")
+
+    def _new_context(self, n_cells: int, n_seq: int, n_batch: int, threads: int) -> Any:
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_cells
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # one step = one graph evaluation
+        params.n_seq_max = n_seq
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = True
+        params.swa_full = True
+        params.no_perf = True
+        ctx = ll.llama_init_from_model(self._model, params)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_cells} cells")
+        return ctx
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (ll.llama_token * capacity)()
+        count = ll.llama_tokenize(self._vocab, data, len(data), tokens, capacity, add_bos, True)
+        if count < 0:
+            capacity = -count
+            tokens = (ll.llama_token * capacity)()
+            count = ll.llama_tokenize(
+                self._vocab, data, len(data), tokens, capacity, add_bos, True
+            )
+        return list(tokens[:count])
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
+        buffer = self._piece_buffer
+        length = ll.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
+        if length < 0:
+            buffer = ctypes.create_string_buffer(-length)
+            length = ll.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
+        return buffer.raw[:length]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return b"".join(self._piece(t, special=False) for t in tokens).decode(
+            "utf-8", errors="replace"
+        )
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        for op in ops:
+            self._apply(op)
+        if not works:
+            return []
+        sample_rows, padded = self._fill_batch(works)
+        status = ll.llama_decode(self._ctx, self._batch)
+        if padded:
+            ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
+        if status != 0:
+            raise BackendError(f"llama_decode failed with status {status}")
+        return [self._sample(seq, row) for seq, row in sample_rows]
+
+    def _apply(self, op: KvOp) -> None:
+        if isinstance(op, RemoveTokens):
+            if not ll.llama_memory_seq_rm(self._mem, op.seq, op.start, op.end):
+                # A partial removal the cache cannot do: drop the whole sequence instead;
+                # the engine only asks for partial removals when rewinding is supported.
+                raise BackendError(f"cannot remove positions {op.start}.. of seq {op.seq}")
+        elif isinstance(op, CopyPrefix):
+            ll.llama_memory_seq_cp(self._mem, op.src, op.dst, 0, op.length)
+        else:
+            self._set_sampler(op.seq, op.params)
+
+    def _fill_batch(self, works: list[SeqWork]) -> tuple[list[tuple[int, int]], bool]:
+        """Write the works into the batch; returns the rows to sample and if it was padded."""
+        rows = sum(len(work.tokens) for work in works)
+        padding = 0
+        if any(work.prompt for work in works) and rows < MIN_PROMPT_ROWS:
+            padding = MIN_PROMPT_ROWS - rows
+            works = [*works, SeqWork(self._pad_seq, (0,) * padding, 0, sample=False)]
+        if rows + padding > self.n_batch:
+            raise BackendError(f"a step of {rows} tokens exceeds the batch size {self.n_batch}")
+        batch = self._batch
+        token, pos, n_seq_id = batch.token, batch.pos, batch.n_seq_id
+        seq_id, logits = batch.seq_id, batch.logits
+        row = 0
+        sample_rows: list[tuple[int, int]] = []
+        for work in works:
+            last = len(work.tokens) - 1
+            for offset, tok in enumerate(work.tokens):
+                token[row] = tok
+                pos[row] = work.start + offset
+                n_seq_id[row] = 1
+                seq_id[row][0] = work.seq
+                wants = work.sample and offset == last
+                logits[row] = wants
+                if wants:
+                    sample_rows.append((work.seq, row))
+                row += 1
+        batch.n_tokens = row
+        return sample_rows, padding > 0
+
+    def _sample(self, seq: int, row: int) -> Sampled:
+        token = int(ll.llama_sampler_sample(self._samplers[seq], self._ctx, row))
+        return Sampled(
+            seq=seq,
+            token=token,
+            piece=self._piece(token, special=False),
+            end_of_generation=bool(ll.llama_vocab_is_eog(self._vocab, token)),
+        )
+
+    def _set_sampler(self, seq: int, params: SamplingParams) -> None:
+        old = self._samplers.pop(seq, None)
+        if old is not None:
+            ll.llama_sampler_free(old)
+        self._samplers[seq] = self._sampler_chain(params)
+
+    def _sampler_chain(self, params: SamplingParams) -> Any:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
+
+        def add(sampler: Any) -> None:
+            ll.llama_sampler_chain_add(chain, sampler)
+
+        if params.uses_penalties:
+            add(ll.llama_sampler_init_penalties(
+                params.penalty_last_n, params.repeat_penalty,
+                params.frequency_penalty, params.presence_penalty,
+            ))
+        if params.greedy:
+            add(ll.llama_sampler_init_greedy())
+            return chain
+        if params.top_k > 0:
+            add(ll.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(ll.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(ll.llama_sampler_init_min_p(params.min_p, 1))
+        add(ll.llama_sampler_init_temp(params.temperature))
+        add(ll.llama_sampler_init_dist(params.seed))
+        return chain
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        for sampler in self._samplers.values():
+            ll.llama_sampler_free(sampler)
+        self._samplers.clear()
+        if self._ctx is not None:
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None

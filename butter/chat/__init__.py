@@ -1,0 +1,1 @@
+"""Pure text logic: chat templates, detokenization, stop strings, markup."""

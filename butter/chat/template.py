@@ -1,0 +1,161 @@
+"""Chat templates: render messages to a prompt with a sandboxed jinja2, as HF does.
+
+Choice of template, in order: `--chat-template` (a file or a built-in name), the
+GGUF's own `tokenizer.chat_template`, a built-in chosen from the architecture,
+ChatML. Templates that do not render `tools` get a system preamble describing
+them in the JSON `<tool_call>` form, so tool recovery works with any model.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from importlib import resources
+from pathlib import Path
+from typing import Any, NoReturn
+
+import attrs
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from butter.errors import InvalidRequest
+
+BUILTIN_TEMPLATES = ("gemma", "chatml", "llama3", "mistral")
+
+# general.architecture prefixes → built-in template (first match wins).
+_ARCHITECTURE_TEMPLATES = (
+    ("gemma", "gemma"),
+    ("qwen", "chatml"),
+    ("llama", "llama3"),
+    ("mistral", "mistral"),
+)
+
+
+def builtin_template_source(name: str) -> str:
+    return resources.files("butter.chat").joinpath(f"templates/{name}.jinja").read_text("utf-8")
+
+
+def builtin_for_architecture(architecture: str) -> str:
+    for prefix, name in _ARCHITECTURE_TEMPLATES:
+        if architecture.lower().startswith(prefix):
+            return name
+    return "chatml"
+
+
+@attrs.frozen
+class TemplateChoice:
+    source: str
+    origin: str  # "gguf", "builtin:<name>", "file:<path>": shown at boot and in /v1/models
+
+
+def choose_template(
+    override: str | None, embedded: str | None, architecture: str
+) -> TemplateChoice:
+    if override:
+        if override in BUILTIN_TEMPLATES:
+            return TemplateChoice(builtin_template_source(override), f"builtin:{override}")
+        path = Path(override)
+        if not path.is_file():
+            raise ValueError(
+                f"--chat-template {override!r} is neither a file nor one of "
+                f"{', '.join(BUILTIN_TEMPLATES)}"
+            )
+        return TemplateChoice(path.read_text("utf-8"), f"file:{path}")
+    if embedded:
+        return TemplateChoice(embedded, "gguf")
+    name = builtin_for_architecture(architecture)
+    return TemplateChoice(builtin_template_source(name), f"builtin:{name}")
+
+
+def _tojson(
+    value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
+    sort_keys: bool = False, ensure_ascii: bool = False,
+) -> str:
+    # jinja2's own tojson sorts keys and HTML-escapes `<`; HF's keeps both as they are.
+    return json.dumps(
+        value, indent=indent, separators=separators, sort_keys=sort_keys,
+        ensure_ascii=ensure_ascii,
+    )
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ChatTemplate:
+    def __init__(self, choice: TemplateChoice, *, bos_token: str, eos_token: str) -> None:
+        self.origin = choice.origin
+        self.source = choice.source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.renders_tools = "tools" in choice.source
+        try:
+            self._template = _environment().from_string(choice.source)
+        except TemplateError as exc:
+            raise ValueError(f"chat template ({choice.origin}) does not compile: {exc}") from exc
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if tools and not self.renders_tools:
+            messages = with_tools_preamble(messages, tools)
+            tools = None
+        variables: dict[str, Any] = dict(template_kwargs or {})
+        variables.update(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+        try:
+            return self._template.render(**variables)
+        except TemplateError as exc:
+            raise InvalidRequest(f"the chat template rejected these messages: {exc}") from None
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidRequest(
+                f"the chat template could not render these messages: {exc}"
+            ) from None
+
+
+def tools_preamble(tools: list[dict[str, Any]]) -> str:
+    signatures = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (
+        "# Tools\n\n"
+        "You can call functions to help answer. Their signatures are inside <tools></tools>:\n"
+        f"<tools>\n{signatures}\n</tools>\n\n"
+        "To call a function, answer with a JSON object holding the function name and its "
+        "arguments inside <tool_call></tool_call> tags:\n"
+        '<tool_call>\n{"name": "<function name>", "arguments": {<arguments object>}}\n</tool_call>'
+    )
+
+
+def with_tools_preamble(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Merge the tool description into the leading system message (or add one)."""
+    preamble = tools_preamble(tools)
+    if messages and messages[0]["role"] in ("system", "developer"):
+        first = dict(messages[0])
+        first["content"] = f"{first.get('content') or ''}\n\n{preamble}".lstrip()
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": preamble}, *messages]

@@ -1,0 +1,119 @@
+"""`butter serve`: argv → ServeSettings → load the model → serve until a signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from butter import settings as defaults
+from butter.errors import ModelLoadError
+from butter.server.resident import ResidentModel
+from butter.server.serve import ROUTES, ServeServer
+from butter.settings import ServeSettings
+
+log = logging.getLogger("butter")
+
+
+def _positive(value: str) -> int:
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="butter", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI + Anthropic APIs)")
+    serve.add_argument("--model", required=True,
+                       help="a .gguf path, or gemma-3-270m (the demo model, extra [demo])")
+    serve.add_argument("--alias", help="the id clients use for the model (default: --model)")
+    serve.add_argument("--host", default=defaults.DEFAULT_HOST)
+    serve.add_argument("--port", type=int, default=defaults.DEFAULT_PORT)
+    serve.add_argument("--chat-template",
+                       help="a jinja template file, or a built-in: gemma, chatml, llama3, mistral")
+    serve.add_argument("--parallel", type=_positive, default=defaults.DEFAULT_PARALLEL,
+                       help="concurrent generation sessions (default %(default)s)")
+    serve.add_argument("--max-queue", type=int, default=defaults.DEFAULT_MAX_QUEUE,
+                       help="requests allowed to wait for a session; beyond it 503 "
+                            "(default %(default)s)")
+    serve.add_argument("--max-context", type=_positive,
+                       help="positions per request, prompt + completion (default: the model's "
+                            f"trained context, at most {defaults.DEFAULT_MAX_CONTEXT_CAP})")
+    serve.add_argument("--kv-pool", type=_positive,
+                       help="KV cells shared by all sessions (default: max-context + "
+                            f"{defaults.DEFAULT_CELLS_PER_EXTRA_SESSION} per extra session)")
+    serve.add_argument("--prefill-chunk", type=_positive, default=defaults.DEFAULT_PREFILL_CHUNK,
+                       help="prompt tokens evaluated per engine step (default %(default)s)")
+    serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
+                       help="llama.cpp threads (default: usable cores, %(default)s)")
+    serve.add_argument("--shutdown-grace", type=float,
+                       default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
+                       help="seconds active requests get to finish on SIGINT/SIGTERM")
+    serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    return ServeSettings(
+        model=args.model, host=args.host, port=args.port, alias=args.alias,
+        chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
+        max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
+        threads=args.threads, shutdown_grace=args.shutdown_grace,
+    )
+
+
+async def serve_command(settings: ServeSettings) -> None:
+    resident = await ResidentModel.load(settings)
+    try:
+        server = ServeServer(
+            host=settings.host, port=settings.port, resident=resident,
+            max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server._shutdown_on_signals)
+            host, port = await nursery.start(server.serve)
+            _print_banner(resident, host, port)
+        log.info("butter stopped")
+    finally:
+        resident.close()
+
+
+def _print_banner(resident: ResidentModel, host: str, port: int) -> None:
+    meta = resident.metadata()
+    base = f"http://{host}:{port}"
+    lines = [
+        f"butter: serving {resident.model_id!r} ({meta['description']})",
+        f"  chat template: {meta['chat_template']}",
+        f"  context: {resident.max_context} per request, {meta['kv_cells']} KV cells shared by "
+        f"{meta['parallel']} session(s)",
+        f"  base URL for OpenAI clients: {base}/v1",
+        *(f"  {route}" for route in ROUTES),
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        settings = settings_from_args(args)
+        trio.run(serve_command, settings)
+    except ModelLoadError as exc:
+        print(f"butter: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a bad --chat-template, for one
+        print(f"butter: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: admission, sessions, the step planner and the step loop (trio)."""

@@ -1,0 +1,127 @@
+"""Strict-FIFO admission with KV reservations.
+
+A request waits here until it is at the head of the queue AND a session slot and
+enough KV cells are free. Cells are reserved for prompt + requested completion
+before the cache is touched, and released on completion, cancellation or failure.
+Idle sessions' cached prefixes do not count: they are evicted on demand.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+import attrs
+import trio
+
+from butter.errors import ContextLengthExceeded, Overloaded
+from butter.settings import RETRY_AFTER_SECONDS
+
+
+@attrs.define(eq=False)
+class Ticket:
+    number: int
+    cells: int
+    released: bool = False
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    cells: int
+    granted: trio.Event = attrs.field(factory=trio.Event)
+    ticket: Ticket | None = None
+
+
+@attrs.frozen
+class AdmissionStats:
+    active: int
+    queued: int
+    reserved_cells: int
+    total_cells: int
+    slots: int
+
+
+class Admission:
+    def __init__(self, *, slots: int, cells: int, max_queue: int) -> None:
+        self.slots = slots
+        self.total_cells = cells
+        self.max_queue = max_queue
+        self._queue: deque[_Waiter] = deque()
+        self._active: set[Ticket] = set()
+        self._reserved = 0
+        self._numbers = itertools.count(1)
+
+    def stats(self) -> AdmissionStats:
+        return AdmissionStats(
+            active=len(self._active), queued=len(self._queue),
+            reserved_cells=self._reserved, total_cells=self.total_cells, slots=self.slots,
+        )
+
+    def check_queue_room(self) -> None:
+        """Refuse now (503) rather than after a stream's headers went out."""
+        if len(self._queue) >= self.max_queue:
+            raise self._overloaded()
+
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(
+            f"the server is busy: {len(self._queue)} requests are already waiting",
+            retry_after=RETRY_AFTER_SECONDS,
+        )
+
+    async def acquire(self, cells: int) -> Ticket:
+        """Wait (FIFO) for a slot and `cells` KV cells. Leaving the wait leaves the queue."""
+        if cells > self.total_cells:
+            raise ContextLengthExceeded(
+                f"this request needs {cells} KV cells but the pool has {self.total_cells}"
+            )
+        waiter = _Waiter(cells)
+        if not self._queue and self._fits(cells):
+            return self._grant(waiter)
+        if len(self._queue) >= self.max_queue:
+            raise self._overloaded()
+        self._queue.append(waiter)
+        try:
+            await waiter.granted.wait()
+        except BaseException:
+            if waiter.ticket is not None:
+                self.release(waiter.ticket)  # granted, but the caller is gone
+            else:
+                self._queue.remove(waiter)
+                self._grant_waiting()  # the head may have changed
+            raise
+        assert waiter.ticket is not None
+        return waiter.ticket
+
+    def release(self, ticket: Ticket) -> None:
+        """Idempotent, synchronous: safe in any `finally`, even while cancelled."""
+        if ticket.released:
+            return
+        ticket.released = True
+        self._active.discard(ticket)
+        self._reserved -= ticket.cells
+        self._grant_waiting()
+
+    def try_extend(self, ticket: Ticket, cells: int) -> bool:
+        """Grow a live reservation if nobody waits and the cells are free (never blocks)."""
+        if ticket.released or self._queue or not self._fits(cells, new_slot=False):
+            return False
+        ticket.cells += cells
+        self._reserved += cells
+        return True
+
+    def _fits(self, cells: int, *, new_slot: bool = True) -> bool:
+        slot_free = len(self._active) < self.slots or not new_slot
+        return slot_free and self._reserved + cells <= self.total_cells
+
+    def _grant(self, waiter: _Waiter) -> Ticket:
+        ticket = Ticket(number=next(self._numbers), cells=waiter.cells)
+        self._active.add(ticket)
+        self._reserved += ticket.cells
+        waiter.ticket = ticket
+        waiter.granted.set()
+        return ticket
+
+    def _grant_waiting(self) -> None:
+        # Strict FIFO: only the head may enter, even if a smaller request behind it fits.
+        while self._queue and self._fits(self._queue[0].cells):
+            self._grant(self._queue.popleft())

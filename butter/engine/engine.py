@@ -1,0 +1,337 @@
+"""The engine: one step loop that owns the backend and batches every session.
+
+Each iteration, between steps and only there, the loop detaches finished requests
+from their sessions, attaches newly admitted requests to sessions (reusing or
+sharing cached prefixes), plans one step, and runs it on the guarded worker thread.
+All session state changes in this one task, so a step in flight never races a
+lease. Requests talk to the loop only through flags and their output buffer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import attrs
+import trio
+
+from butter.backends.base import (
+    Backend,
+    BackendError,
+    CopyPrefix,
+    KvOp,
+    RemoveTokens,
+    Sampled,
+    SeqWork,
+    SetSampler,
+)
+from butter.engine.admission import Admission, Ticket
+from butter.engine.scheduler import PendingWork, plan_step
+from butter.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length", "error"]
+
+# A request that does not name max_tokens reserves its completion in steps of this
+# many cells, growing while the pool has room, instead of the whole context at once.
+RESERVATION_STEP = 1024
+
+
+@attrs.define(eq=False)
+class Generation:
+    """One request inside the engine: its input, its progress, its output buffer."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    ticket: Ticket
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    closed: bool = False  # the client left or stopped reading: drop at the next step
+    pending: tuple[int, ...] = ()
+    decoding: bool = False
+    _pieces: list[bytes] = attrs.field(factory=list)
+    _ready: trio.Event = attrs.field(factory=trio.Event)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    async def pieces(self) -> AsyncIterator[list[bytes]]:
+        """Batches of detokenized pieces as they come; ends when generation finishes."""
+        while True:
+            self._ready = trio.Event()
+            if self._pieces:
+                batch, self._pieces = self._pieces, []
+                yield batch
+                continue
+            if self.finish_reason is not None:
+                return
+            await self._ready.wait()
+
+    def close(self) -> None:
+        self.closed = True
+
+    def _push(self, piece: bytes) -> None:
+        self._pieces.append(piece)
+        self._ready.set()
+
+    def _finish(self, reason: FinishReason, error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.error = error
+        self._ready.set()
+
+
+@attrs.define(eq=False)
+class Session:
+    """A KV sequence and what it holds; idle sessions keep their cache for reuse."""
+
+    seq: int
+    kv_tokens: list[int] = attrs.field(factory=list)
+    last_used: float = 0.0
+    generation: Generation | None = None
+
+
+@attrs.frozen
+class EngineStats:
+    active: int
+    queued: int
+    reserved_cells: int
+    total_cells: int
+    idle_cached_cells: int
+    slots: int
+    steps: int
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Engine:
+    def __init__(
+        self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
+        max_queue: int,
+    ) -> None:
+        self.backend = backend
+        self.max_context = max_context
+        self.prefill_chunk = prefill_chunk
+        self.admission = Admission(slots=parallel, cells=backend.n_cells, max_queue=max_queue)
+        self._sessions = [Session(seq=i) for i in range(parallel)]
+        self._joining: list[Generation] = []
+        self._ops: list[KvOp] = []
+        self._wakeup = trio.Event()
+        self._limiter = trio.CapacityLimiter(1)  # the guarded worker thread
+        self._steps = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+
+    def completion_budget(self, prompt_tokens: int) -> int:
+        return self.max_context - prompt_tokens
+
+    @asynccontextmanager
+    async def generate(
+        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int | None
+    ) -> AsyncIterator[Generation]:
+        """Admit (FIFO), run, and always release, whatever happens to the caller."""
+        limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
+        reserve = limit if max_tokens is not None else min(limit, RESERVATION_STEP)
+        ticket = await self.admission.acquire(len(prompt) + reserve)
+        generation = Generation(
+            prompt=tuple(prompt), params=params, max_tokens=limit, ticket=ticket
+        )
+        try:
+            self._joining.append(generation)
+            self._wake()
+            yield generation
+        finally:
+            generation.close()
+            self.admission.release(ticket)
+            self._wake()
+
+    def stats(self) -> EngineStats:
+        admission = self.admission.stats()
+        return EngineStats(
+            active=admission.active, queued=admission.queued,
+            reserved_cells=admission.reserved_cells, total_cells=admission.total_cells,
+            idle_cached_cells=sum(
+                len(s.kv_tokens) for s in self._sessions if s.generation is None
+            ),
+            slots=admission.slots, steps=self._steps,
+        )
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self) -> None:
+        """The step loop; runs until cancelled (model unload or shutdown)."""
+        try:
+            while True:
+                self._detach_closed()
+                self._attach_joining()
+                works = plan_step(self._pending_work(), self.prefill_chunk)
+                if not works and not self._ops:
+                    await self._wakeup.wait()
+                    self._wakeup = trio.Event()
+                    continue
+                await self._step(works)
+        finally:
+            self._fail_all("the model was unloaded")
+
+    async def _step(self, works: list[SeqWork]) -> None:
+        ops, self._ops = self._ops, []
+        try:
+            sampled = await trio.to_thread.run_sync(
+                self.backend.step, ops, works, limiter=self._limiter
+            )
+        except BackendError as exc:
+            self._fail_step(works, str(exc))
+            return
+        self._steps += 1
+        self._record(works, sampled)
+
+    def _pending_work(self) -> list[PendingWork]:
+        return [
+            PendingWork(
+                seq=s.seq, start=len(s.kv_tokens), pending=s.generation.pending,
+                decoding=s.generation.decoding,
+            )
+            for s in self._sessions
+            if s.generation is not None and not s.generation.closed
+        ]
+
+    def _record(self, works: list[SeqWork], sampled: list[Sampled]) -> None:
+        by_seq = {s.seq: s for s in sampled}
+        for work in works:
+            session = self._sessions[work.seq]
+            session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked
+            generation = session.generation
+            if generation is None or generation.closed:
+                continue
+            generation.pending = generation.pending[len(work.tokens):]
+            if work.seq in by_seq:
+                self._accept(generation, by_seq[work.seq])
+
+    def _accept(self, generation: Generation, sampled: Sampled) -> None:
+        generation.decoding = True
+        if sampled.end_of_generation:
+            generation._finish("stop")
+            return
+        generation.completion_tokens += 1
+        generation._push(sampled.piece)
+        generation.pending = (sampled.token,)
+        if generation.completion_tokens >= generation.max_tokens:
+            generation._finish("length")
+        elif not self._has_room_for_next(generation):
+            generation._finish("length")
+
+    def _has_room_for_next(self, generation: Generation) -> bool:
+        used = generation.prompt_tokens + generation.completion_tokens
+        if used < generation.ticket.cells:
+            return True
+        step = min(RESERVATION_STEP, generation.max_tokens - generation.completion_tokens)
+        return self.admission.try_extend(generation.ticket, step)
+
+    def _fail_step(self, works: list[SeqWork], message: str) -> None:
+        for work in works:
+            session = self._sessions[work.seq]
+            # The cache state of a failed step is unknown: forget the whole sequence.
+            self._ops.append(RemoveTokens(session.seq, -1, -1))
+            session.kv_tokens.clear()
+            if session.generation is not None:
+                session.generation._finish("error", message)
+
+    def _fail_all(self, message: str) -> None:
+        for generation in self._joining:
+            generation._finish("error", message)
+        for session in self._sessions:
+            if session.generation is not None:
+                session.generation._finish("error", message)
+
+    # ------------------------------------------------------------------ leasing
+
+    def _detach_closed(self) -> None:
+        now = time.monotonic()
+        for session in self._sessions:
+            generation = session.generation
+            if generation is not None and (generation.closed or generation.finish_reason):
+                generation._finish("stop")  # no-op unless the client stopped it
+                session.generation = None
+                session.last_used = now
+
+    def _attach_joining(self) -> None:
+        while self._joining:
+            generation = self._joining.pop(0)
+            if generation.closed:
+                continue
+            idle = [s for s in self._sessions if s.generation is None]
+            # Admission grants at most `parallel` tickets, so an idle session exists.
+            self._lease(self._best_session(idle, generation.prompt), generation)
+            self._evict_to_fit()
+
+    def _best_session(self, idle: list[Session], prompt: Sequence[int]) -> Session:
+        """Longest reusable prefix first, then least recently used."""
+        return max(idle, key=lambda s: (self._reusable(s, prompt), -s.last_used))
+
+    def _reusable(self, session: Session, prompt: Sequence[int]) -> int:
+        """How much of this session's cache the prompt can keep (one token must remain)."""
+        common = common_prefix_length(session.kv_tokens, prompt)
+        if self.backend.info.is_recurrent and common < len(session.kv_tokens):
+            return 0  # recurrent state cannot rewind: only a strict prefix is reusable
+        return min(common, len(prompt) - 1)
+
+    def _lease(self, session: Session, generation: Generation) -> None:
+        keep = self._reusable(session, generation.prompt)
+        donor, shared = self._best_donor(session, generation.prompt)
+        if shared > keep:
+            self._ops.append(RemoveTokens(session.seq, -1, -1))
+            self._ops.append(CopyPrefix(donor.seq, session.seq, shared))
+            session.kv_tokens = list(generation.prompt[:shared])
+            keep = shared
+        elif keep < len(session.kv_tokens):
+            self._ops.append(RemoveTokens(session.seq, keep if keep else -1, -1))
+            del session.kv_tokens[keep:]
+        self._ops.append(SetSampler(session.seq, generation.params))
+        generation.cached_tokens = keep
+        generation.pending = generation.prompt[keep:]
+        session.generation = generation
+
+    def _best_donor(
+        self, session: Session, prompt: Sequence[int]
+    ) -> tuple[Session, int]:
+        """Another session (idle or busy) holding a longer prefix, shared by seq_cp."""
+        best, best_length = session, 0
+        if self.backend.info.is_recurrent:
+            return best, 0
+        for other in self._sessions:
+            if other is session:
+                continue
+            length = min(common_prefix_length(other.kv_tokens, prompt), len(prompt) - 1)
+            if length > best_length:
+                best, best_length = other, length
+        return best, best_length
+
+    def _evict_to_fit(self) -> None:
+        """Idle caches give way, least recently used first, to live reservations."""
+        reserved = self.admission.stats().reserved_cells
+        idle = sorted(
+            (s for s in self._sessions if s.generation is None and s.kv_tokens),
+            key=lambda s: s.last_used,
+        )
+        cached = sum(len(s.kv_tokens) for s in idle)
+        for session in idle:
+            if reserved + cached <= self.backend.n_cells:
+                return
+            cached -= len(session.kv_tokens)
+            self._ops.append(RemoveTokens(session.seq, -1, -1))
+            session.kv_tokens.clear()

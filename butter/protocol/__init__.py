@@ -1,0 +1,1 @@
+"""Wire formats: pure data types and (de)serialisation, no trio, no backend."""

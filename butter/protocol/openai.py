@@ -1,0 +1,291 @@
+"""OpenAI Chat Completions: request types, validation, response and chunk bodies."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+import attrs
+
+from butter.errors import InvalidRequest
+from butter.protocol.convert import make_converter, structure_request
+from butter.sampling import MAX_SEED, SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@attrs.frozen
+class ContentPart:
+    type: str
+    text: str | None = None
+
+
+@attrs.frozen
+class FunctionCall:
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+@attrs.frozen
+class ToolCall:
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+@attrs.frozen
+class ChatMessage:
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+
+@attrs.frozen
+class FunctionDef:
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+@attrs.frozen
+class Tool:
+    function: FunctionDef
+    type: str = "function"
+
+
+@attrs.frozen
+class StreamOptions:
+    include_usage: bool = False
+
+
+@attrs.frozen
+class ResponseFormat:
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class ChatCompletionRequest:
+    messages: list[ChatMessage]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repeat_penalty: float | None = None
+    n: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    user: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else (
+            self.max_tokens
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return tuple(s for s in stops if s)
+
+
+_converter = make_converter()
+
+
+def parse_chat_request(payload: Any) -> ChatCompletionRequest:
+    request = structure_request(_converter, payload, ChatCompletionRequest)
+    _validate(request)
+    return request
+
+
+def _validate(request: ChatCompletionRequest) -> None:
+    if not request.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+    for index, message in enumerate(request.messages):
+        if message.role not in ROLES:
+            raise InvalidRequest(
+                f"messages[{index}].role must be one of {', '.join(ROLES)}; got {message.role!r}",
+                param=f"messages[{index}].role",
+            )
+        for part in message.content if isinstance(message.content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequest(
+                    f"messages[{index}].content: only text parts are supported, got {part.type!r}",
+                    param=f"messages[{index}].content",
+                )
+    _check_range(request.temperature, "temperature", 0.0, 2.0)
+    _check_range(request.top_p, "top_p", 0.0, 1.0)
+    _check_range(request.min_p, "min_p", 0.0, 1.0)
+    _check_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(request.repeat_penalty, "repeat_penalty", 0.0, 10.0)
+    if request.top_k is not None and request.top_k < 0:
+        raise InvalidRequest("top_k must be >= 0", param="top_k")
+    if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
+        raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}", param="seed")
+    max_tokens = request.requested_max_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
+    if request.n not in (None, 1):
+        raise InvalidRequest("only n=1 is supported", param="n")
+    if request.logprobs:
+        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    if request.stop is not None and isinstance(request.stop, list) and len(request.stop) > 16:
+        raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
+
+
+def _check_range(value: float | None, name: str, low: float, high: float) -> None:
+    if value is not None and not low <= value <= high:
+        raise InvalidRequest(f"{name} must be between {low:g} and {high:g}", param=name)
+
+
+def sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+    """Client values over llama-server's defaults (attrs defaults of SamplingParams)."""
+    overrides: dict[str, Any] = {
+        name: getattr(request, name)
+        for name in (
+            "temperature", "top_p", "top_k", "min_p", "seed",
+            "presence_penalty", "frequency_penalty", "repeat_penalty",
+        )
+        if getattr(request, name) is not None
+    }
+    return SamplingParams(**overrides)
+
+
+def message_text(content: str | list[ContentPart] | None) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content)
+
+
+def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as chat templates expect them: text content, tool-call arguments as objects."""
+    rendered: list[dict[str, Any]] = []
+    for message in request.messages:
+        item: dict[str, Any] = {"role": message.role, "content": message_text(message.content)}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning:
+            item["reasoning_content"] = reasoning
+        if message.tool_calls:
+            item["tool_calls"] = [_template_tool_call(call) for call in message.tool_calls]
+        rendered.append(item)
+    return rendered
+
+
+def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+    arguments: Any = call.function.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass  # Templates render a non-JSON string as it came.
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
+
+
+def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    if not request.tools:
+        return None
+    return [_converter.unstructure(tool) for tool in request.tools]
+
+
+# ---------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def completion_body(
+    *, completion_id: str, model: str, created: int, content: str | None,
+    finish_reason: FinishReason, usage: Usage,
+    reasoning_content: str | None = None, tool_calls: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning_content:
+        message["reasoning_content"] = reasoning_content
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
+                     "logprobs": None}],
+        "usage": usage.body(),
+    }
+
+
+def chunk_body(
+    *, completion_id: str, model: str, created: int, delta: dict[str, Any],
+    finish_reason: FinishReason | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
+                     "logprobs": None}],
+    }
+
+
+def usage_chunk_body(
+    *, completion_id: str, model: str, created: int, usage: Usage
+) -> dict[str, Any]:
+    return {
+        "id": completion_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage.body(),
+    }
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,1 @@
+"""HTTP: routes (thin), the resident model, and the hypercorn server."""

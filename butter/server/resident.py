@@ -1,0 +1,107 @@
+"""The resident model: backend + engine + chat template, under one id."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.chat.template import ChatTemplate, choose_template
+from butter.engine.engine import Engine
+from butter.models import resolve_model
+from butter.settings import DEFAULT_CELLS_PER_EXTRA_SESSION, DEFAULT_MAX_CONTEXT_CAP, ServeSettings
+
+log = logging.getLogger("butter")
+
+
+@attrs.frozen
+class KvGeometry:
+    max_context: int  # positions one request may use (prompt + completion)
+    pool_cells: int  # KV cells shared by all sessions
+
+
+def kv_geometry(n_ctx_train: int, settings: ServeSettings) -> KvGeometry:
+    trained = n_ctx_train if n_ctx_train > 0 else DEFAULT_MAX_CONTEXT_CAP
+    max_context = settings.max_context or min(trained, DEFAULT_MAX_CONTEXT_CAP)
+    pool = settings.kv_pool or max_context + (settings.parallel - 1) * min(
+        max_context, DEFAULT_CELLS_PER_EXTRA_SESSION
+    )
+    return KvGeometry(max_context=max_context, pool_cells=max(pool, max_context))
+
+
+class ResidentModel:
+    def __init__(
+        self, model_id: str, backend: LlamaCppBackend, template: ChatTemplate,
+        geometry: KvGeometry, settings: ServeSettings,
+    ) -> None:
+        self.model_id = model_id
+        self.backend = backend
+        self.template = template
+        self.max_context = min(geometry.max_context, backend.n_cells)
+        self.engine = Engine(
+            backend, parallel=settings.parallel, max_context=self.max_context,
+            prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
+        )
+
+    @classmethod
+    def load_sync(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
+        """Resolve, load and size the model (blocking: call from a worker thread)."""
+        model_id = model_id or settings.model
+        path = resolve_model(model_id)
+        geometry_holder: list[KvGeometry] = []
+
+        def size_pool(n_ctx_train: int) -> int:
+            geometry_holder.append(kv_geometry(n_ctx_train, settings))
+            return geometry_holder[0].pool_cells
+
+        backend = LlamaCppBackend(
+            Path(path), n_cells=size_pool, n_seq=settings.parallel,
+            n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
+        )
+        try:
+            info = backend.info
+            choice = choose_template(settings.chat_template, info.embedded_chat_template,
+                                     info.architecture)
+            template = ChatTemplate(choice, bos_token=info.bos_text, eos_token=info.eos_text)
+        except BaseException:
+            backend.close()
+            raise
+        return cls(settings.alias or model_id, backend, template, geometry_holder[0], settings)
+
+    @classmethod
+    async def load(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
+        return await trio.to_thread.run_sync(cls.load_sync, settings, model_id)
+
+    def tokenize_prompt(self, text: str) -> list[int]:
+        # Add BOS only when the model wants one and the template did not render it.
+        bos = self.backend.info.bos_text
+        add_bos = self.backend.info.add_bos and not (bos and text.startswith(bos))
+        return self.backend.tokenize(text, add_bos=add_bos)
+
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+    ) -> list[int]:
+        text = self.template.render(messages, tools=tools, template_kwargs=template_kwargs)
+        return self.tokenize_prompt(text)
+
+    def metadata(self) -> dict[str, Any]:
+        info = self.backend.info
+        return {
+            "path": info.path,
+            "architecture": info.architecture,
+            "description": info.description,
+            "n_ctx_train": info.n_ctx_train,
+            "n_vocab": info.n_vocab,
+            "size_bytes": info.size_bytes,
+            "chat_template": self.template.origin,
+            "kv_cells": self.backend.n_cells,
+            "parallel": self.backend.n_seq,
+        }
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,91 @@
+"""ServeServer: the resident model's engine and the HTTP app on hypercorn (trio worker)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from butter.server.app import create_app
+from butter.server.resident import ResidentModel
+from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_SECONDS
+
+ROUTES = (
+    "GET  /health",
+    "GET  /v1/models",
+    "GET  /v1/server",
+    "POST /v1/chat/completions",
+    "POST /v1/messages",
+)
+
+log = logging.getLogger("butter")
+
+
+class ServeServer:
+    def __init__(
+        self, *, host: str, port: int, resident: ResidentModel,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.resident = resident
+        self.max_body_bytes = max_body_bytes
+        self.shutdown_grace = shutdown_grace
+        self._shutdown = trio.Event()
+
+    def _config(self) -> Config:
+        config = Config()
+        config.bind = [f"[{self.host}]:{self.port}" if ":" in self.host else
+                       f"{self.host}:{self.port}"]
+        config.graceful_timeout = self.shutdown_grace
+        config.accesslog = None
+        config.errorlog = log
+        return config
+
+    def request_shutdown(self) -> None:
+        """Stop accepting; active requests get `shutdown_grace` seconds to finish."""
+        self._shutdown.set()
+
+    async def serve(
+        self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run until shutdown is requested or the caller's scope is cancelled.
+
+        Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
+        """
+        app = create_app(self.resident, max_body_bytes=self.max_body_bytes)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.resident.engine.run)
+            binds = await nursery.start(self._serve_http, app, nursery.cancel_scope)
+            host, _, port = binds[0].removeprefix("http://").rpartition(":")
+            task_status.started((host.strip("[]"), int(port)))
+
+    async def _serve_http(
+        self, app: object, scope: trio.CancelScope, *,
+        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        try:
+            await hypercorn_serve(
+                app,  # type: ignore[arg-type]
+                self._config(), shutdown_trigger=self._shutdown.wait, task_status=task_status,
+            )
+        finally:
+            scope.cancel()  # HTTP is done (graceful shutdown over): stop the engine too
+
+    async def run_forever(self) -> None:
+        """Serve until SIGINT/SIGTERM, then shut down gracefully."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._shutdown_on_signals)
+            await self.serve()
+            nursery.cancel_scope.cancel()
+
+    async def _shutdown_on_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
+                self.request_shutdown()
+                return

@@ -1,0 +1,52 @@
+"""Every tunable of `butter serve`, each default named exactly once."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_PARALLEL = 1
+DEFAULT_MAX_QUEUE = 64
+# The KV cells a single request may use (prompt + completion) when the model's trained
+# context is larger: 8192 positions fit comfortably in memory for small local models.
+DEFAULT_MAX_CONTEXT_CAP = 8192
+# Each extra parallel session adds this many cells to the shared pool by default, so a
+# pool fits `parallel` typical chat requests without one long request starving the rest.
+DEFAULT_CELLS_PER_EXTRA_SESSION = 2048
+# Tokens evaluated per engine step across all prefilling sessions. Smaller chunks keep
+# decode latency of siblings low; larger ones prefill faster. Measured on 2 cores.
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+RETRY_AFTER_SECONDS = 1
+# On SIGINT/SIGTERM, active requests get this long to finish before they are cancelled.
+DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (affinity-aware, unlike os.cpu_count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+@attrs.frozen
+class ServeSettings:
+    """Settings for one `butter serve` process (see `butter serve --help`)."""
+
+    model: str
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    alias: str | None = None
+    chat_template: str | None = None
+    parallel: int = DEFAULT_PARALLEL
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_context: int | None = None
+    kv_pool: int | None = None
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    threads: int = attrs.field(factory=usable_cores)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS

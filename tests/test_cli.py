@@ -1,0 +1,56 @@
+"""Boot behaviour of `butter serve`: clear one-line failures, real shutdown on signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import ServerProcess
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "butter.cli", "serve", "--port", "0", *args],
+        capture_output=True, text=True, timeout=60,
+    )
+
+
+def test_missing_model_fails_with_one_line(tmp_path: Path) -> None:
+    result = _serve("--model", str(tmp_path / "nope.gguf"))
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0
+    assert "not found" in result.stderr
+
+
+def test_not_a_gguf_fails_with_one_line(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_text("this is not a model")
+    result = _serve("--model", str(fake))
+    assert result.returncode == 1
+    assert "not a GGUF" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_truncated_gguf_fails_with_one_line(tmp_path: Path, tiny_gguf: Path) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(tiny_gguf.read_bytes()[:5000])
+    result = _serve("--model", str(broken))
+    assert result.returncode == 1
+    assert "could not load" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_chat_template_flag(tiny_gguf: Path) -> None:
+    result = _serve("--model", str(tiny_gguf), "--chat-template", "no-such-template")
+    assert result.returncode == 2
+    assert "chat-template" in result.stderr
+
+
+def test_sigterm_shuts_down_cleanly(tiny_gguf: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_gguf)])
+    assert httpx.get(f"{server.base_url}/health").text == "ok"
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0

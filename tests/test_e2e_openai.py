@@ -1,0 +1,146 @@
+"""End to end: a real `butter serve` on the demo GGUF, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import ServerProcess
+
+MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
+
+
+@pytest.fixture
+def client(demo_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=demo_server.api, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_health_and_models(demo_server: ServerProcess, client: openai.OpenAI) -> None:
+    assert httpx.get(f"{demo_server.base_url}/health").text == "ok"
+    models = client.models.list().data
+    assert [m.id for m in models] == ["gemma-3-270m"]
+    card = models[0].model_dump()
+    assert card["max_model_len"] == card["context_length"] > 0
+    assert card["meta"]["chat_template"] == "builtin:gemma"  # the demo GGUF has none
+
+
+def test_non_stream_completion(client: openai.OpenAI) -> None:
+    result = client.chat.completions.create(
+        model="gemma-3-270m", messages=MESSAGES, max_tokens=16, temperature=0.7, seed=3
+    )
+    choice = result.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert result.usage is not None
+    assert result.usage.prompt_tokens > 5
+    assert 0 < result.usage.completion_tokens <= 16
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert result.usage.completion_tokens == 16
+
+
+def test_stream_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model="gemma-3-270m", messages=MESSAGES, max_tokens=24, seed=5, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    ids = {chunk.id for chunk in chunks}
+    assert len(ids) == 1
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and
+              c.choices[0].finish_reason]
+    assert finish in (["stop"], ["length"])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert usage_chunk.usage.prompt_tokens_details is not None
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens is not None
+    assert usage_chunk.usage.completion_tokens >= len(content_chunks) > 0
+
+
+def test_cached_tokens_on_repeat(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "List three colours of the rainbow, please."}]
+    first = client.chat.completions.create(
+        model="gemma-3-270m", messages=messages, max_tokens=4, seed=1
+    )
+    second = client.chat.completions.create(
+        model="gemma-3-270m", messages=messages, max_tokens=4, seed=1
+    )
+    assert first.usage and second.usage and second.usage.prompt_tokens_details
+    # At most prompt - 1: one token is always evaluated to get logits.
+    assert second.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1
+
+
+def test_same_seed_same_output(client: openai.OpenAI) -> None:
+    def run(seed: int) -> str:
+        result = client.chat.completions.create(
+            model="gemma-3-270m", messages=MESSAGES, max_tokens=24, temperature=1.0, seed=seed
+        )
+        return result.choices[0].message.content or ""
+
+    assert run(42) == run(42)
+    outputs = {run(seed) for seed in (1, 2, 3)}
+    assert len(outputs) > 1  # seeds matter at temperature 1
+
+
+def test_stop_string_cuts_output(client: openai.OpenAI) -> None:
+    base = client.chat.completions.create(
+        model="gemma-3-270m", messages=MESSAGES, max_tokens=32, temperature=0, seed=0
+    )
+    text = base.choices[0].message.content or ""
+    assert len(text) > 4
+    stop = text[2:4]  # a stop string that certainly occurs, maybe across tokens
+    cut = client.chat.completions.create(
+        model="gemma-3-270m", messages=MESSAGES, max_tokens=32, temperature=0, seed=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = client.chat.completions.create(
+        model="gemma-3-270m", messages=MESSAGES, max_tokens=32, temperature=0, seed=0,
+        stop=stop, stream=True,
+    )
+    pieces = [c.choices[0].delta.content or "" for c in streamed if c.choices]
+    assert "".join(pieces) == text[: text.index(stop)]
+
+
+def test_bad_requests_get_openai_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as empty:
+        client.chat.completions.create(model="gemma-3-270m", messages=[])
+    assert "messages" in empty.value.message
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+    assert unknown.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(model="gemma-3-270m", messages=MESSAGES,
+                                       max_tokens=10_000_000)
+    assert too_long.value.code == "context_length_exceeded"
+    assert "10000000" in too_long.value.message
+
+
+def test_malformed_bodies_name_the_problem(demo_server: ServerProcess) -> None:
+    url = f"{demo_server.api}/chat/completions"
+    cases = {
+        b"{not json": "not valid JSON",
+        b'{"messages": "hi"}': "messages",
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "12"}': "max_tokens",
+        b'{"messages": [{"role": "robot", "content": "x"}]}': "role",
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": 9}': "temperature",
+        b"\xff\xfe": "UTF-8",
+    }
+    for body, needle in cases.items():
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert needle in error["message"], (body, error)
+        assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_fields_and_authorization_are_ignored(demo_server: ServerProcess) -> None:
+    response = httpx.post(
+        f"{demo_server.api}/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "some_vendor_field": {"x": 1}},
+        headers={"Authorization": "Bearer whatever"}, timeout=60,
+    )
+    assert response.status_code == 200

@@ -1,0 +1,129 @@
+"""Pure wire-format tests: request parsing, validation, response and SSE shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from butter.errors import InvalidRequest, Overloaded
+from butter.protocol import openai
+from butter.protocol.sse import DONE, data_event, named_event
+from butter.sampling import DEFAULT_TEMPERATURE, DEFAULT_TOP_K, SamplingParams
+
+USER = {"role": "user", "content": "hi"}
+
+
+def test_minimal_request_and_defaults() -> None:
+    request = openai.parse_chat_request({"messages": [USER]})
+    assert request.model is None
+    assert request.stream is False
+    params = openai.sampling_params(request)
+    assert params.temperature == DEFAULT_TEMPERATURE
+    assert params.top_k == DEFAULT_TOP_K
+
+
+def test_client_values_override_defaults_and_unknown_fields_are_ignored() -> None:
+    request = openai.parse_chat_request({
+        "messages": [USER], "temperature": 0, "top_p": 0.5, "seed": 7, "max_tokens": 3,
+        "stop": "END", "stream": True, "stream_options": {"include_usage": True},
+        "vendor_extension": {"anything": [1, 2]},
+    })
+    params = openai.sampling_params(request)
+    assert (params.temperature, params.top_p, params.seed) == (0.0, 0.5, 7)
+    assert params.greedy
+    assert request.requested_max_tokens == 3
+    assert request.stop_strings == ("END",)
+    assert request.include_usage
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    request = openai.parse_chat_request(
+        {"messages": [USER], "max_tokens": 10, "max_completion_tokens": 4}
+    )
+    assert request.requested_max_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("payload", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [USER], "max_tokens": "5"}, "max_tokens"),
+        ({"messages": [USER], "max_tokens": 2.5}, "max_tokens"),
+        ({"messages": [USER], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [USER], "max_tokens": True}, "max_tokens"),
+        ({"messages": [USER], "temperature": -1}, "temperature"),
+        ({"messages": [USER], "top_p": 1.5}, "top_p"),
+        ({"messages": [USER], "seed": -3}, "seed"),
+        ({"messages": [USER], "n": 2}, "n"),
+        ({"messages": [USER], "stop": 5}, "stop"),
+        ({"messages": [USER], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages[0].content"),
+    ],
+)
+def test_bad_requests_name_the_field(payload: object, param: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        openai.parse_chat_request(payload)
+    assert caught.value.param == param
+    body = caught.value.openai_body()["error"]
+    assert body["type"] == "invalid_request_error"
+    assert body["message"]
+
+
+def test_non_object_body_is_rejected() -> None:
+    with pytest.raises(InvalidRequest, match="JSON object"):
+        openai.parse_chat_request([USER])
+
+
+def test_template_messages_join_text_parts_and_parse_tool_arguments() -> None:
+    request = openai.parse_chat_request({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "42"},
+    ]})
+    messages = openai.template_messages(request)
+    assert messages[0]["content"] == "ab"
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert messages[2]["tool_call_id"] == "call_1"
+
+
+def test_usage_reports_cached_tokens_in_both_places() -> None:
+    body = openai.Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=9).body()
+    assert body["total_tokens"] == 15
+    assert body["cached_tokens"] == body["prompt_tokens_details"]["cached_tokens"] == 9
+
+
+def test_chunk_and_usage_chunk_shapes() -> None:
+    chunk = openai.chunk_body(completion_id="c", model="m", created=1,
+                              delta={"content": "x"}, finish_reason=None)
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0]["delta"] == {"content": "x"}
+    usage = openai.usage_chunk_body(completion_id="c", model="m", created=1,
+                                    usage=openai.Usage(1, 2, 0))
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+
+def test_sse_framing() -> None:
+    assert data_event({"a": "é"}) == 'data: {"a":"é"}\n\n'.encode()
+    assert named_event("ping", {}) == b"event: ping\ndata: {}\n\n"
+    assert DONE == b"data: [DONE]\n\n"
+    frame = data_event({"text": "line1\nline2"})
+    assert frame.count(b"\n") == 2  # newlines inside JSON strings are escaped
+    assert json.loads(frame[len(b"data: "):].decode()) == {"text": "line1\nline2"}
+
+
+def test_overloaded_carries_retry_after() -> None:
+    error = Overloaded("busy", retry_after=3)
+    assert error.status == 503
+    assert error.headers() == {"Retry-After": "3"}
+    assert error.anthropic_body()["error"]["type"] == "overloaded_error"
+
+
+def test_sampling_params_random_seed_differs() -> None:
+    assert len({SamplingParams().seed for _ in range(5)}) > 1

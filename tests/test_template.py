@@ -1,0 +1,120 @@
+"""Chat templates: built-ins, choice order, HF-compatible filters, tools preamble."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from butter.chat.template import (
+    BUILTIN_TEMPLATES,
+    ChatTemplate,
+    TemplateChoice,
+    builtin_template_source,
+    choose_template,
+)
+from butter.errors import InvalidRequest
+
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "Hi!"},
+    {"role": "user", "content": "Bye"},
+]
+
+
+def _template(name: str, bos: str = "<bos>", eos: str = "<eos>") -> ChatTemplate:
+    return ChatTemplate(TemplateChoice(builtin_template_source(name), name),
+                        bos_token=bos, eos_token=eos)
+
+
+def test_gemma_matches_llama_cpp_builtin_format() -> None:
+    text = _template("gemma").render([{"role": "user", "content": "Hello"}])
+    assert text == "<bos><start_of_turn>user\nHello<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_gemma_folds_system_into_first_user_turn() -> None:
+    text = _template("gemma").render(CHAT)
+    assert text == (
+        "<bos><start_of_turn>user\nBe brief.\n\nHello<end_of_turn>\n"
+        "<start_of_turn>model\nHi!<end_of_turn>\n"
+        "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
+    )
+
+
+def test_chatml() -> None:
+    text = _template("chatml").render(CHAT[:2])
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_llama3_and_mistral_render() -> None:
+    llama = _template("llama3", bos="<|begin_of_text|>").render(CHAT[:2])
+    assert llama.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n")
+    assert llama.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    mistral = _template("mistral", bos="<s>", eos="</s>").render(CHAT)
+    assert mistral == "<s>[INST] Be brief.\n\nHello [/INST]Hi!</s>[INST] Bye [/INST]"
+
+
+def test_no_generation_prompt() -> None:
+    text = _template("chatml").render(CHAT[1:2], add_generation_prompt=False)
+    assert not text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("name", BUILTIN_TEMPLATES)
+def test_builtins_render_tool_history(name: str) -> None:
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris", "a": "<b>"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+    ]
+    text = _template(name).render(messages)
+    # HF's tojson keeps key order and does not HTML-escape.
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "a": "<b>"}}' in text
+    assert "sunny" in text
+
+
+def test_tools_preamble_for_templates_without_tools() -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    text = _template("gemma").render(CHAT[:2], tools=tools)
+    assert "Be brief." in text and "get_weather" in text and "<tool_call>" in text
+    assert text.count("<start_of_turn>user") == 1
+
+
+def test_template_kwargs_reach_the_template() -> None:
+    source = "{{ 'T' if enable_thinking else 'F' }}{{ messages[0]['content'] }}"
+    template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
+    assert template.render([{"role": "user", "content": "q"}],
+                           template_kwargs={"enable_thinking": True}) == "Tq"
+
+
+def test_raise_exception_becomes_a_400() -> None:
+    source = "{{ raise_exception('roles must alternate') }}"
+    template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
+    with pytest.raises(InvalidRequest, match="roles must alternate"):
+        template.render([{"role": "user", "content": "q"}])
+
+
+def test_sandbox_blocks_unsafe_attribute_access() -> None:
+    source = "{{ messages.__class__.__mro__ }}"
+    template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
+    with pytest.raises(InvalidRequest):
+        template.render([{"role": "user", "content": "q"}])
+
+
+def test_choice_order(tmp_path: Path) -> None:
+    assert choose_template(None, "{{ x }}", "gemma3").origin == "gguf"
+    assert choose_template(None, None, "gemma3").origin == "builtin:gemma"
+    assert choose_template(None, None, "qwen3").origin == "builtin:chatml"
+    assert choose_template(None, None, "llama").origin == "builtin:llama3"
+    assert choose_template(None, None, "mystery").origin == "builtin:chatml"
+    assert choose_template("mistral", "{{ x }}", "gemma3").origin == "builtin:mistral"
+    custom = tmp_path / "t.jinja"
+    custom.write_text("{{ messages[0]['content'] }}")
+    assert choose_template(str(custom), None, "gemma3").origin == f"file:{custom}"
+    with pytest.raises(ValueError, match="neither a file"):
+        choose_template("nope", None, "gemma3")
