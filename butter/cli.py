@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -16,6 +17,8 @@ from butter.server.serve import ROUTES, ServeServer
 from butter.settings import ServeSettings
 
 log = logging.getLogger("butter")
+
+HARD_EXIT_MARGIN_SECONDS = 5.0
 
 
 def _positive(value: str) -> int:
@@ -75,12 +78,32 @@ async def serve_command(settings: ServeSettings) -> None:
             max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(server._shutdown_on_signals)
-            host, port = await nursery.start(server.serve)
+            nursery.start_soon(server.shutdown_on_signals)
+            nursery.start_soon(_exit_if_shutdown_hangs, server)
+            host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
             _print_banner(resident, host, port)
         log.info("butter stopped")
     finally:
         resident.close()
+
+
+async def _serve_then_stop_helpers(
+    server: ServeServer, nursery: trio.Nursery,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    await server.serve(task_status=task_status)
+    nursery.cancel_scope.cancel()  # the signal listener and the watchdog
+
+
+async def _exit_if_shutdown_hangs(server: ServeServer) -> None:
+    """Last resort: hypercorn shields socket writes, so a client that stopped reading
+    can hold a connection past the grace period. Exit anyway, a little later."""
+    await server.shutdown_requested.wait()
+    await trio.sleep(server.shutdown_grace + HARD_EXIT_MARGIN_SECONDS)
+    log.error("connections still open %.0fs after shutdown began: exiting",
+              server.shutdown_grace + HARD_EXIT_MARGIN_SECONDS)
+    logging.shutdown()
+    os._exit(0)
 
 
 def _print_banner(resident: ResidentModel, host: str, port: int) -> None:

@@ -144,3 +144,23 @@ def test_unknown_fields_and_authorization_are_ignored(demo_server: ServerProcess
         headers={"Authorization": "Bearer whatever"}, timeout=60,
     )
     assert response.status_code == 200
+
+
+def test_cache_hit_gives_the_same_greedy_tokens_as_cold(client: openai.OpenAI) -> None:
+    """Sliding-window Gemma 3 with swa_full: reuse stays exact."""
+    stem = "You are a meticulous assistant. " * 40  # ~280 tokens, well into the window
+    cold_messages = [{"role": "system", "content": stem},
+                     {"role": "user", "content": "Name a large mammal."}]
+    cold = client.chat.completions.create(
+        model="gemma-3-270m", messages=cold_messages, max_tokens=24, temperature=0
+    )
+    warm_messages = [{"role": "system", "content": stem},
+                     {"role": "user", "content": "Name a large mammal."}]
+    warm = client.chat.completions.create(
+        model="gemma-3-270m", messages=warm_messages, max_tokens=24, temperature=0
+    )
+    assert warm.usage and warm.usage.prompt_tokens_details and cold.usage
+    assert cold.usage.prompt_tokens_details is not None
+    assert cold.usage.prompt_tokens_details.cached_tokens < 10  # only the turn header
+    assert warm.usage.prompt_tokens_details.cached_tokens == cold.usage.prompt_tokens - 1
+    assert warm.choices[0].message.content == cold.choices[0].message.content

@@ -105,6 +105,7 @@ class EngineStats:
     idle_cached_cells: int
     slots: int
     steps: int
+    session_cells: tuple[int, ...]  # cached positions per session (busy or idle)
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -166,7 +167,16 @@ class Engine:
                 len(s.kv_tokens) for s in self._sessions if s.generation is None
             ),
             slots=admission.slots, steps=self._steps,
+            session_cells=tuple(len(s.kv_tokens) for s in self._sessions),
         )
+
+    def drop_idle_caches(self) -> None:
+        """Forget every idle session's cached prefix (applied before the next step)."""
+        for session in self._sessions:
+            if session.generation is None and session.kv_tokens:
+                self._ops.append(RemoveTokens(session.seq, -1, -1))
+                session.kv_tokens.clear()
+        self._wake()
 
     def _wake(self) -> None:
         self._wakeup.set()
@@ -268,6 +278,9 @@ class Engine:
                 generation._finish("stop")  # no-op unless the client stopped it
                 session.generation = None
                 session.last_used = now
+                # Free the slot now, not when the HTTP response is fully written: a
+                # client that stops reading must not pin a session slot.
+                self.admission.release(generation.ticket)
 
     def _attach_joining(self) -> None:
         while self._joining:

@@ -35,7 +35,7 @@ class ServeServer:
         self.resident = resident
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace = shutdown_grace
-        self._shutdown = trio.Event()
+        self.shutdown_requested = trio.Event()
 
     def _config(self) -> Config:
         config = Config()
@@ -48,7 +48,7 @@ class ServeServer:
 
     def request_shutdown(self) -> None:
         """Stop accepting; active requests get `shutdown_grace` seconds to finish."""
-        self._shutdown.set()
+        self.shutdown_requested.set()
 
     async def serve(
         self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
@@ -71,7 +71,8 @@ class ServeServer:
         try:
             await hypercorn_serve(
                 app,  # type: ignore[arg-type]
-                self._config(), shutdown_trigger=self._shutdown.wait, task_status=task_status,
+                self._config(), shutdown_trigger=self.shutdown_requested.wait,
+                task_status=task_status,
             )
         finally:
             scope.cancel()  # HTTP is done (graceful shutdown over): stop the engine too
@@ -79,11 +80,11 @@ class ServeServer:
     async def run_forever(self) -> None:
         """Serve until SIGINT/SIGTERM, then shut down gracefully."""
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._shutdown_on_signals)
+            nursery.start_soon(self.shutdown_on_signals)
             await self.serve()
             nursery.cancel_scope.cancel()
 
-    async def _shutdown_on_signals(self) -> None:
+    async def shutdown_on_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s: shutting down gracefully", signal.Signals(signum).name)

@@ -336,9 +336,11 @@ def _all_tensors(seed: int, n_vocab: int) -> dict[str, F32Array]:
 # --- GGUF writing ------------------------------------------------------------
 
 
-def _add_hparams(writer: gguf.GGUFWriter, name: str, n_ctx_train: int) -> None:
+def _add_hparams(
+    writer: gguf.GGUFWriter, name: str, n_ctx_train: int, file_type: gguf.LlamaFileType
+) -> None:
     writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(file_type)
     writer.add_context_length(n_ctx_train)
     writer.add_embedding_length(N_EMBD)
     writer.add_block_count(N_LAYER)
@@ -384,19 +386,29 @@ def write_tiny_qwen3_gguf(
     n_ctx_train: int = 4096,
     name: str = "tiny-qwen3",
     chat_template: str | None = None,
+    quantize: bool = True,
 ) -> pathlib.Path:
     """Write the tiny Qwen3 model to ``path`` and return it as a Path.
 
     Same seed, same bytes.  The file is written next to its destination and
     renamed into place, so a reader never sees a half-written model.
+
+    With ``quantize`` (the default) the matrices are stored as Q8_0, like the
+    quantized GGUFs people run: llama.cpp then takes the same (batch-invariant)
+    matmul paths as for real models. Norms stay F32.
     """
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch="qwen3")
-    _add_hparams(writer, name, n_ctx_train)
+    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
+    _add_hparams(writer, name, n_ctx_train, file_type)
     _add_tokenizer(writer, CHAT_TEMPLATE if chat_template is None else chat_template)
     for tensor_name, tensor in _all_tensors(seed, len(tiny_vocab())).items():
-        writer.add_tensor(tensor_name, tensor)
+        if quantize and tensor.ndim == 2:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(tensor_name, tensor)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,0 +1,197 @@
+"""The real engine on the tiny generated GGUF: batching, cancellation, prefix reuse."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.lowlevel
+
+from butter.backends.base import RemoveTokens
+from butter.engine.engine import Engine, Generation
+from butter.sampling import SamplingParams
+from butter.server.resident import ResidentModel
+from butter.settings import ServeSettings
+
+PROMPTS = [
+    "The quick brown fox",
+    "Once upon a time in a café",
+    "Numbers: 1, 2, 3, 4",
+    "日本語 and emoji 🙂 together",
+]
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_gguf: Path) -> Iterator[ResidentModel]:
+    settings = ServeSettings(model=str(tiny_gguf), parallel=4, max_context=1024,
+                             prefill_chunk=64, threads=2)
+    model = ResidentModel.load_sync(settings)
+    yield model
+    model.close()
+
+
+@pytest.fixture
+async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
+    # A fresh engine (empty sessions) over the module's loaded model, per test.
+    backend = resident.backend
+    backend.step([], [])
+    fresh = Engine(backend, parallel=4, max_context=1024, prefill_chunk=64, max_queue=8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fresh.run)
+        yield fresh
+        nursery.cancel_scope.cancel()
+    # Forget everything this engine cached, so the next test starts cold.
+    backend.step([RemoveTokens(seq, -1, -1) for seq in range(4)], [])
+
+
+def tokens(resident: ResidentModel, text: str) -> list[int]:
+    return resident.backend.tokenize(text, add_bos=False)
+
+
+async def run(
+    engine: Engine, prompt: list[int], seed: int, max_tokens: int = 24,
+    temperature: float = 0.8,
+) -> tuple[bytes, Generation]:
+    params = SamplingParams(seed=seed, temperature=temperature)
+    async with engine.generate(prompt, params, max_tokens) as generation:
+        pieces = [b"".join(batch) async for batch in generation.pieces()]
+    return b"".join(pieces), generation
+
+
+async def test_concurrent_equals_sequential(resident: ResidentModel, engine: Engine) -> None:
+    prompts = [tokens(resident, p) for p in PROMPTS]
+    sequential = [(await run(engine, p, seed=i))[0] for i, p in enumerate(prompts)]
+    # Both phases start cold: batching is what is compared, not cache placement.
+    engine.drop_idle_caches()
+    results: dict[int, bytes] = {}
+
+    async def lane(i: int) -> None:
+        results[i], generation = await run(engine, prompts[i], seed=i)
+        assert generation.completion_tokens == 24
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(lane, i)
+    assert [results[i] for i in range(4)] == sequential
+    assert len(set(sequential)) == 4
+
+
+async def test_cancelled_sibling_does_not_disturb_others(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    prompts = [tokens(resident, p + " again") for p in PROMPTS]
+    alone = [(await run(engine, p, seed=10 + i, max_tokens=32))[0] for i, p in
+             enumerate(prompts)]
+    engine.drop_idle_caches()
+    results: dict[int, bytes] = {}
+
+    async def lane(i: int) -> None:
+        results[i], _ = await run(engine, prompts[i], seed=10 + i, max_tokens=32)
+
+    async def doomed() -> None:
+        params = SamplingParams(seed=99)
+        with trio.CancelScope() as scope:
+            async with engine.generate(prompts[0][:3], params, 500) as generation:
+                async for _ in generation.pieces():
+                    if generation.completion_tokens >= 5:
+                        scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(lane, i)
+        nursery.start_soon(doomed)
+    assert [results[i] for i in range(3)] == alone[:3]
+    stats = engine.stats()
+    assert stats.active == 0 and stats.reserved_cells == 0
+
+
+async def test_cached_tokens_is_the_true_common_prefix(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    first = tokens(resident, "A long shared beginning about foxes and dogs, then: apples")
+    second = tokens(resident, "A long shared beginning about foxes and dogs, then: pears")
+    common = next(i for i, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+    _, cold = await run(engine, first, seed=1)
+    assert cold.cached_tokens == 0
+    _, warm = await run(engine, second, seed=1)
+    assert warm.cached_tokens == common
+
+
+async def test_resent_tool_round_reuses_the_whole_conversation(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    turn1 = tokens(resident, "<|im_start|>user\nCall the tool<|im_end|>\n<|im_start|>assistant\n")
+    _, first = await run(engine, turn1, seed=3, max_tokens=12)
+    # The client resends everything: its turn, the answer it got, then a tool result.
+    session_tokens = max(engine.stats().session_cells)
+    assert session_tokens == len(turn1) + 12 - 1  # the last sampled token was never evaluated
+    answer = engine._sessions[0].kv_tokens[len(turn1):] or next(
+        s.kv_tokens for s in engine._sessions if s.kv_tokens)[len(turn1):]
+    turn2 = turn1 + answer + tokens(resident, "<tool_response>42</tool_response>")
+    _, second = await run(engine, turn2, seed=3, max_tokens=4)
+    assert second.cached_tokens == len(turn1) + len(answer)
+    assert first.cached_tokens == 0
+
+
+async def test_forked_conversation_rebuilds_from_the_fork(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    base = tokens(resident, "Shared history: the cat sat on the mat. ")
+    await run(engine, base + tokens(resident, "Branch one"), seed=1, max_tokens=4)
+    branch_two = base + tokens(resident, "Branch two, different")
+    _, fork = await run(engine, branch_two, seed=1, max_tokens=4)
+    expected = next(i for i, (a, b) in enumerate(zip(
+        base + tokens(resident, "Branch one"), branch_two, strict=False)) if a != b)
+    assert fork.cached_tokens == expected
+    cold_text, _ = await run(engine, branch_two, seed=5, max_tokens=16, temperature=0)
+    warm_text, warm = await run(engine, branch_two, seed=5, max_tokens=16, temperature=0)
+    assert warm.cached_tokens == len(branch_two) - 1
+    assert warm_text == cold_text
+
+
+async def test_prefix_in_a_busy_session_is_shared_into_a_new_one(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    stem = tokens(resident, "System: you are a helpful assistant who loves trains. " * 3)
+    question = stem + tokens(resident, "User: what is a locomotive?")
+    cold_text, cold = await run(engine, question, seed=7, max_tokens=16)
+    assert cold.cached_tokens == 0
+    # Start over: only a busy session holds the stem when the question arrives.
+    engine.drop_idle_caches()
+
+    other = stem + tokens(resident, "User: hi")
+    common = next(i for i, (a, b) in enumerate(zip(other, question, strict=False)) if a != b)
+    assert common >= len(stem)
+    async with engine.generate(other, SamplingParams(seed=1), 400) as busy:
+        async for _ in busy.pieces():
+            if busy.completion_tokens >= 2:
+                break
+        shared_text, shared = await run(engine, question, seed=7, max_tokens=16)
+    assert shared.cached_tokens == common
+    assert shared_text == cold_text
+
+
+async def test_cancelled_prefill_leaves_its_remaining_chunks_unrun(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    long_prompt = tokens(resident, "a very long prompt that keeps going " * 60)
+    chunks = -(-len(long_prompt) // 64)
+    assert chunks >= 10
+    first_step = engine.stats().steps + 1
+    with trio.CancelScope() as scope:
+        async with engine.generate(long_prompt, SamplingParams(seed=1), 8):
+            while engine.stats().steps < first_step:
+                await trio.lowlevel.checkpoint()
+            evaluated_when_cancelled = max(engine.stats().session_cells)
+            scope.cancel()  # the client leaves mid-prefill
+            await trio.sleep_forever()
+    await trio.sleep(0.2)  # idle time: nothing may run for the cancelled request now
+    stats = engine.stats()
+    assert stats.active == 0 and stats.reserved_cells == 0
+    cached = max(stats.session_cells)
+    # The chunk in flight when it left may finish; the rest never runs.
+    assert cached % 64 == 0
+    assert evaluated_when_cancelled <= cached <= evaluated_when_cancelled + 64
+    assert cached < len(long_prompt)
