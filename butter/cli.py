@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
+    serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
+                       help="default for chat_template_kwargs.enable_thinking when a client "
+                            "omits it (templates that support thinking)")
+    serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
+                       help="default reasoning_effort passed to the template")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
@@ -67,6 +72,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         threads=args.threads, shutdown_grace=args.shutdown_grace,
+        enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
     )
 
 

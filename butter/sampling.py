@@ -36,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_last_n: int = DEFAULT_PENALTY_LAST_N
+    grammar: str | None = None  # GBNF that constrains the output (tool calls, JSON)
 
     @property
     def greedy(self) -> bool:

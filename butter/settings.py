@@ -50,3 +50,13 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    enable_thinking: bool | None = None  # template default when a client does not say
+    reasoning_effort: str | None = None  # likewise, for `reasoning_effort`
+
+    def template_defaults(self) -> dict[str, object]:
+        defaults: dict[str, object] = {}
+        if self.enable_thinking is not None:
+            defaults["enable_thinking"] = self.enable_thinking
+        if self.reasoning_effort is not None:
+            defaults["reasoning_effort"] = self.reasoning_effort
+        return defaults

@@ -35,8 +35,10 @@ class ServerProcess:
     """`butter serve` as a real process on 127.0.0.1, on a port the OS picks."""
 
     def __init__(self, args: list[str]) -> None:
+        # A short grace: hypercorn keeps idle keep-alive connections open until the grace
+        # period ends, and test clients keep theirs.
         command = [sys.executable, "-m", "butter.cli", "serve", "--host", "127.0.0.1",
-                   "--port", "0", *args]
+                   "--port", "0", "--shutdown-grace", "2", *args]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

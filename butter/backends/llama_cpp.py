@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import llama_cpp as ll
+import numpy as np
 
 from butter.backends.base import (
     BackendError,
@@ -39,6 +40,10 @@ GGUF_MAGIC = b"GGUF"
 # (Weight repacking is off for the same reason: its kernels make a row's result
 # depend on its position in the batch; measured faster here too, see RESULTS.md.)
 MIN_PROMPT_ROWS = 8
+
+# When the grammar vetoes the sampled token, it is next applied to only this many most
+# likely tokens; the whole vocabulary is the fallback when none of them is allowed.
+GRAMMAR_SHORTLIST = 512
 
 _backend_ready = threading.Lock()
 _backend_initialised = False
@@ -103,6 +108,10 @@ class LlamaCppBackend:
         self.can_shift = bool(ll.llama_memory_can_shift(self._mem))
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         self._samplers: dict[int, Any] = {}
+        self._grammars: dict[int, Any] = {}
+        self._candidates = np.zeros(
+            self.info.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)]
+        )
 
     # ------------------------------------------------------------------ loading
 
@@ -252,7 +261,10 @@ class LlamaCppBackend:
         return sample_rows, padding > 0
 
     def _sample(self, seq: int, row: int) -> Sampled:
-        token = int(ll.llama_sampler_sample(self._samplers[seq], self._ctx, row))
+        if seq in self._grammars:
+            token = self._sample_with_grammar(seq, row)
+        else:
+            token = int(ll.llama_sampler_sample(self._samplers[seq], self._ctx, row))
         return Sampled(
             seq=seq,
             token=token,
@@ -260,11 +272,77 @@ class LlamaCppBackend:
             end_of_generation=bool(ll.llama_vocab_is_eog(self._vocab, token)),
         )
 
+    def _sample_with_grammar(self, seq: int, row: int) -> int:
+        """Sample normally, then let the grammar veto; only a veto pays for a full pass.
+
+        A grammar applied to the whole vocabulary costs ~100 ms a token on a 262k vocab,
+        so (as llama-server does) the grammar first checks only the token the normal
+        chain picked, and constrains the full distribution only when it rejects it.
+        """
+        chain, grammar = self._samplers[seq], self._grammars[seq]
+        logits = np.ctypeslib.as_array(
+            ll.llama_get_logits_ith(self._ctx, row), shape=(self.info.n_vocab,)
+        )
+        token = self._choose(chain, self._fill_candidates(logits))
+        single = np.array([(token, 0.0, 0.0)], dtype=self._candidates.dtype)
+        ll.llama_sampler_apply(grammar, ctypes.byref(self._as_array(single)))
+        if not np.isfinite(single["logit"][0]):
+            token = self._choose_allowed(chain, grammar, logits)
+        ll.llama_sampler_accept(grammar, token)
+        ll.llama_sampler_accept(chain, token)
+        return token
+
+    def _choose_allowed(self, chain: Any, grammar: Any, logits: Any) -> int:
+        """The chain's choice among grammar-allowed tokens: the most likely few first."""
+        likely = np.argpartition(-logits, GRAMMAR_SHORTLIST)[:GRAMMAR_SHORTLIST]
+        shortlist = np.zeros(len(likely), dtype=self._candidates.dtype)
+        shortlist["id"] = likely
+        shortlist["logit"] = logits[likely]
+        ll.llama_sampler_apply(grammar, ctypes.byref(self._as_array(shortlist)))
+        if np.isfinite(shortlist["logit"]).any():
+            return self._choose(chain, shortlist)
+        candidates = self._fill_candidates(logits)  # rare: nothing likely is allowed
+        ll.llama_sampler_apply(grammar, ctypes.byref(self._as_array(candidates)))
+        return self._choose(chain, candidates)
+
+    def _fill_candidates(self, logits: Any) -> Any:
+        candidates = self._candidates
+        candidates["id"] = np.arange(len(candidates), dtype=np.int32)
+        candidates["logit"] = logits
+        candidates["p"] = 0.0
+        return candidates
+
+    @staticmethod
+    def _as_array(candidates: Any) -> Any:
+        return ll.llama_token_data_array(
+            data=candidates.ctypes.data_as(ll.llama_token_data_p), size=len(candidates),
+            selected=-1, sorted=False,
+        )
+
+    def _choose(self, chain: Any, candidates: Any) -> int:
+        array = self._as_array(candidates)
+        ll.llama_sampler_apply(chain, ctypes.byref(array))
+        return int(array.data[array.selected].id)
+
+    def check_grammar(self, grammar: str) -> None:
+        """Raise ValueError if llama.cpp cannot parse this GBNF (before it reaches a step)."""
+        sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+        if not sampler:
+            raise ValueError("llama.cpp rejected the grammar")
+        ll.llama_sampler_free(sampler)
+
     def _set_sampler(self, seq: int, params: SamplingParams) -> None:
-        old = self._samplers.pop(seq, None)
-        if old is not None:
-            ll.llama_sampler_free(old)
+        for table in (self._samplers, self._grammars):
+            old = table.pop(seq, None)
+            if old is not None:
+                ll.llama_sampler_free(old)
         self._samplers[seq] = self._sampler_chain(params)
+        if params.grammar is not None:
+            grammar = ll.llama_sampler_init_grammar(
+                self._vocab, params.grammar.encode(), b"root"
+            )
+            if grammar:  # checked at request time; a None here only loses the constraint
+                self._grammars[seq] = grammar
 
     def _sampler_chain(self, params: SamplingParams) -> Any:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_default_params())
@@ -293,9 +371,10 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        for sampler in self._samplers.values():
-            ll.llama_sampler_free(sampler)
-        self._samplers.clear()
+        for table in (self._samplers, self._grammars):
+            for sampler in table.values():
+                ll.llama_sampler_free(sampler)
+            table.clear()
         if self._ctx is not None:
             ll.llama_batch_free(self._batch)
             ll.llama_free(self._ctx)

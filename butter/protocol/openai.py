@@ -93,6 +93,7 @@ class ChatCompletionRequest:
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     logprobs: bool | None = None
     user: str | None = None
 
@@ -157,6 +158,64 @@ def _validate(request: ChatCompletionRequest) -> None:
         raise InvalidRequest("logprobs are not supported", param="logprobs")
     if request.stop is not None and isinstance(request.stop, list) and len(request.stop) > 16:
         raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
+    _validate_tools(request)
+    _validate_response_format(request.response_format)
+
+
+def _validate_tools(request: ChatCompletionRequest) -> None:
+    for index, tool in enumerate(request.tools or []):
+        if tool.type != "function":
+            raise InvalidRequest(f"tools[{index}].type must be 'function'",
+                                 param=f"tools[{index}].type")
+    choice = request.tool_choice
+    if choice is None or choice in ("auto", "none", "required"):
+        return
+    if isinstance(choice, str):
+        raise InvalidRequest(
+            f"tool_choice must be auto, none, required or a function; got {choice!r}",
+            param="tool_choice",
+        )
+    function = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+        function.get("name"), str
+    ):
+        raise InvalidRequest(
+            'tool_choice must look like {"type": "function", "function": {"name": ...}}',
+            param="tool_choice",
+        )
+
+
+def _validate_response_format(response_format: ResponseFormat | None) -> None:
+    if response_format is None or response_format.type in ("text", "json_object"):
+        return
+    if response_format.type != "json_schema":
+        raise InvalidRequest(
+            "response_format.type must be text, json_object or json_schema",
+            param="response_format.type",
+        )
+    schema = (response_format.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
+                             param="response_format.json_schema")
+
+
+def forced_tool(request: ChatCompletionRequest) -> str | None:
+    """The function a named tool_choice forces, if any."""
+    choice = request.tool_choice
+    if isinstance(choice, dict):
+        return str(choice["function"]["name"])
+    return None
+
+
+def tools_offered(request: ChatCompletionRequest) -> bool:
+    return bool(request.tools) and request.tool_choice != "none"
+
+
+def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(request.chat_template_kwargs or {})
+    if request.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", request.reasoning_effort)
+    return kwargs
 
 
 def _check_range(value: float | None, name: str, low: float, high: float) -> None:
@@ -213,9 +272,19 @@ def _template_tool_call(call: ToolCall) -> dict[str, Any]:
 
 
 def template_tools(request: ChatCompletionRequest) -> list[dict[str, Any]] | None:
-    if not request.tools:
+    if not tools_offered(request):
         return None
-    return [_converter.unstructure(tool) for tool in request.tools]
+    return [template_tool(tool) for tool in request.tools or []]
+
+
+def template_tool(tool: Tool) -> dict[str, Any]:
+    """A tool as templates expect it: the client's JSON, without fields it did not send."""
+    function: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description is not None:
+        function["description"] = tool.function.description
+    if tool.function.parameters is not None:
+        function["parameters"] = tool.function.parameters
+    return {"type": tool.type, "function": function}
 
 
 # ---------------------------------------------------------------- responses
@@ -237,6 +306,13 @@ class Usage:
             "cached_tokens": self.cached_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+
+
+def tool_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any] | None]:
+    """Name → parameters schema of the tools offered (for the markup parser)."""
+    if not tools_offered(request):
+        return {}
+    return {tool.function.name: tool.function.parameters for tool in request.tools or []}
 
 
 def completion_body(

@@ -8,12 +8,22 @@ from typing import Any
 
 import attrs
 
+from butter.chat import grammar as grammars
 from butter.chat.detokenize import IncrementalDetokenizer
+from butter.chat.markup import (
+    THINK_OPEN,
+    ContentDelta,
+    Event,
+    MarkupParser,
+    ReasoningDelta,
+    ToolCall,
+)
 from butter.chat.stops import StopMatcher
 from butter.engine.engine import Generation
-from butter.errors import ButterError, ContextLengthExceeded
+from butter.errors import ButterError, ContextLengthExceeded, InvalidRequest
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
+from butter.sampling import SamplingParams
 from butter.server.resident import ResidentModel
 
 
@@ -25,20 +35,52 @@ class GenerationFailed(ButterError):
 class PreparedChat:
     request: openai.ChatCompletionRequest
     prompt: list[int]
+    params: SamplingParams
+    starts_in_reasoning: bool  # the template opened a <think> block in the prompt
     completion_id: str
     created: int
 
 
 def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest) -> PreparedChat:
-    prompt = resident.render(
-        openai.template_messages(request), openai.template_tools(request),
-        request.chat_template_kwargs,
+    text = resident.template.render(
+        openai.template_messages(request), tools=openai.template_tools(request),
+        template_kwargs={**resident.template_defaults, **openai.template_kwargs(request)},
     )
+    prompt = resident.tokenize_prompt(text)
     check_fits(len(prompt), request.requested_max_tokens, resident.max_context)
+    grammar = output_grammar(request)
+    if grammar is not None:
+        try:
+            resident.backend.check_grammar(grammar)
+        except ValueError as exc:
+            raise InvalidRequest(f"cannot constrain the output: {exc}") from None
+    params = attrs.evolve(openai.sampling_params(request), grammar=grammar)
     return PreparedChat(
-        request=request, prompt=prompt,
+        request=request, prompt=prompt, params=params,
+        starts_in_reasoning=text.rstrip().endswith(THINK_OPEN),
         completion_id=f"chatcmpl-{uuid.uuid4().hex}", created=openai.now(),
     )
+
+
+def output_grammar(request: openai.ChatCompletionRequest) -> str | None:
+    """A grammar for `tool_choice` required / named, or for `response_format` JSON."""
+    forced = openai.forced_tool(request)
+    wants_call = request.tool_choice == "required" or forced is not None
+    response_format = request.response_format
+    wants_json = response_format is not None and response_format.type != "text"
+    if wants_call and wants_json:
+        raise InvalidRequest("tool_choice that forces a call cannot be combined with a JSON "
+                             "response_format", param="response_format")
+    if wants_call:
+        if not request.tools:
+            raise InvalidRequest("tool_choice requires tools", param="tool_choice")
+        tools = [openai.template_tool(tool) for tool in request.tools]
+        return grammars.tool_call_grammar(tools, forced)
+    if response_format is None or not wants_json:
+        return None
+    if response_format.type == "json_object":
+        return grammars.json_object_grammar()
+    return grammars.json_schema_grammar((response_format.json_schema or {})["schema"])
 
 
 def check_fits(prompt_tokens: int, max_tokens: int | None, max_context: int) -> None:
@@ -51,42 +93,50 @@ def check_fits(prompt_tokens: int, max_tokens: int | None, max_context: int) -> 
         )
 
 
-class TextAssembler:
-    """Token pieces → client text: UTF-8 safe, stop strings cut, never partially emitted."""
+class OutputAssembler:
+    """Token pieces → events: UTF-8 safe, stop strings cut, think blocks and tool calls
+    recovered, never a partial tag or stop string emitted."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, chat: PreparedChat) -> None:
         self._detokenizer = IncrementalDetokenizer()
-        self._stops = StopMatcher(stops)
+        self._stops = StopMatcher(chat.request.stop_strings)
+        self._markup = MarkupParser(
+            openai.tool_schemas(chat.request), start_in_reasoning=chat.starts_in_reasoning,
+            new_call_id=lambda _: f"call_{uuid.uuid4().hex[:24]}",
+        )
 
     @property
     def stopped(self) -> bool:
         return self._stops.matched is not None
 
-    def feed(self, pieces: list[bytes]) -> str:
-        return self._stops.feed(self._detokenizer.feed(b"".join(pieces)))
+    @property
+    def tool_calls(self) -> int:
+        return self._markup.tool_calls
 
-    def finish(self) -> str:
-        return self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+    def feed(self, pieces: list[bytes]) -> list[Event]:
+        return self._markup.feed(self._stops.feed(self._detokenizer.feed(b"".join(pieces))))
+
+    def finish(self) -> list[Event]:
+        tail = self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        return self._markup.feed(tail) + self._markup.finish()
 
 
-async def _generated_text(
-    generation: Generation, assembler: TextAssembler
-) -> AsyncIterator[str]:
+async def _events(generation: Generation, assembler: OutputAssembler) -> AsyncIterator[Event]:
     async for pieces in generation.pieces():
-        text = assembler.feed(pieces)
-        if text:
-            yield text
+        for event in assembler.feed(pieces):
+            yield event
         if assembler.stopped:
             generation.close()  # the engine drops it before the next step
-            return
-    tail = assembler.finish()
-    if tail:
-        yield tail
+            break
+    for event in assembler.finish():
+        yield event
 
 
-def finish_reason(generation: Generation, assembler: TextAssembler) -> openai.FinishReason:
+def finish_reason(generation: Generation, assembler: OutputAssembler) -> openai.FinishReason:
     if generation.finish_reason == "error":
         raise GenerationFailed(generation.error or "generation failed")
+    if assembler.tool_calls:
+        return "tool_calls"
     if assembler.stopped:
         return "stop"
     return "length" if generation.finish_reason == "length" else "stop"
@@ -100,23 +150,49 @@ def usage(generation: Generation) -> openai.Usage:
     )
 
 
+def _tool_call_body(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
 async def complete(resident: ResidentModel, chat: PreparedChat) -> dict[str, Any]:
-    request = chat.request
-    assembler = TextAssembler(request.stop_strings)
+    assembler = OutputAssembler(chat)
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
     async with resident.engine.generate(
-        chat.prompt, openai.sampling_params(request), request.requested_max_tokens
+        chat.prompt, chat.params, chat.request.requested_max_tokens
     ) as generation:
-        parts = [text async for text in _generated_text(generation, assembler)]
+        async for event in _events(generation, assembler):
+            if isinstance(event, ContentDelta):
+                content.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                reasoning.append(event.text)
+            else:
+                calls.append(_tool_call_body(event))
+    text = "".join(content)
     return openai.completion_body(
         completion_id=chat.completion_id, model=resident.model_id, created=chat.created,
-        content="".join(parts), finish_reason=finish_reason(generation, assembler),
-        usage=usage(generation),
+        content=None if calls and not text.strip() else text,
+        reasoning_content="".join(reasoning) or None, tool_calls=calls or None,
+        finish_reason=finish_reason(generation, assembler), usage=usage(generation),
     )
 
 
+def _deltas(event: Event) -> list[dict[str, Any]]:
+    if isinstance(event, ContentDelta):
+        return [{"content": event.text}]
+    if isinstance(event, ReasoningDelta):
+        return [{"reasoning_content": event.text}]
+    # A call is two deltas: who is called, then its arguments (clients concatenate those).
+    opening = {"index": event.index, "id": event.id, "type": "function",
+               "function": {"name": event.name, "arguments": ""}}
+    arguments = {"index": event.index, "function": {"arguments": event.arguments}}
+    return [{"tool_calls": [opening]}, {"tool_calls": [arguments]}]
+
+
 async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[bytes]:
-    request = chat.request
-    assembler = TextAssembler(request.stop_strings)
+    assembler = OutputAssembler(chat)
 
     def chunk(delta: dict[str, Any], reason: openai.FinishReason | None = None) -> bytes:
         return data_event(openai.chunk_body(
@@ -124,22 +200,23 @@ async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[b
             delta=delta, finish_reason=reason,
         ))
 
-    async with resident.engine.generate(
-        chat.prompt, openai.sampling_params(request), request.requested_max_tokens,
-    ) as generation:
-        yield chunk({"role": "assistant", "content": ""})
-        async for text in _generated_text(generation, assembler):
-            yield chunk({"content": text})
     try:
+        async with resident.engine.generate(
+            chat.prompt, chat.params, chat.request.requested_max_tokens,
+        ) as generation:
+            yield chunk({"role": "assistant", "content": ""})
+            async for event in _events(generation, assembler):
+                # One write per event: several SSE frames, one syscall.
+                yield b"".join(chunk(delta) for delta in _deltas(event))
         reason = finish_reason(generation, assembler)
-    except ButterError as exc:
+    except ButterError as exc:  # after the headers went out: report in-band
         yield data_event(exc.openai_body())
         yield DONE
         return
-    yield chunk({}, reason)
-    if request.include_usage:
-        yield data_event(openai.usage_chunk_body(
+    tail = chunk({}, reason)
+    if chat.request.include_usage:
+        tail += data_event(openai.usage_chunk_body(
             completion_id=chat.completion_id, model=resident.model_id, created=chat.created,
             usage=usage(generation),
         ))
-    yield DONE
+    yield tail + DONE

@@ -41,6 +41,7 @@ class ResidentModel:
         self.model_id = model_id
         self.backend = backend
         self.template = template
+        self.template_defaults = settings.template_defaults()
         self.max_context = min(geometry.max_context, backend.n_cells)
         self.engine = Engine(
             backend, parallel=settings.parallel, max_context=self.max_context,
@@ -81,13 +82,6 @@ class ResidentModel:
         bos = self.backend.info.bos_text
         add_bos = self.backend.info.add_bos and not (bos and text.startswith(bos))
         return self.backend.tokenize(text, add_bos=add_bos)
-
-    def render(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-        template_kwargs: dict[str, Any] | None,
-    ) -> list[int]:
-        text = self.template.render(messages, tools=tools, template_kwargs=template_kwargs)
-        return self.tokenize_prompt(text)
 
     def metadata(self) -> dict[str, Any]:
         info = self.backend.info
