@@ -144,3 +144,22 @@ async def test_full_queue_answers_503_with_retry_after(
     for stream in streams:
         await stream.aclose()
     await wait_until_idle(single_slot_server)
+
+
+async def test_full_queue_on_messages_is_529_overloaded(
+    single_slot_server: ServerProcess,
+) -> None:
+    streams = [await open_raw_request(single_slot_server, chat_body("hold", 3000, True))]
+    await trio.sleep(0.2)
+    for _ in range(3):
+        streams.append(await open_raw_request(single_slot_server, chat_body("wait", 4, False)))
+    await trio.sleep(0.3)
+    async with httpx.AsyncClient(timeout=30) as client:
+        response = await client.post(f"{single_slot_server.base_url}/v1/messages", json={
+            "max_tokens": 4, "messages": [{"role": "user", "content": "one too many"}]})
+    assert response.status_code == 529
+    assert response.json()["error"]["type"] == "overloaded_error"
+    assert response.headers["retry-after"] == "1"
+    for stream in streams:
+        await stream.aclose()
+    await wait_until_idle(single_slot_server)

@@ -53,6 +53,7 @@ class Generation:
     closed: bool = False  # the client left or stopped reading: drop at the next step
     pending: tuple[int, ...] = ()
     decoding: bool = False
+    attached: trio.Event = attrs.field(factory=trio.Event)  # cached_tokens is known
     _pieces: list[bytes] = attrs.field(factory=list)
     _ready: trio.Event = attrs.field(factory=trio.Event)
 
@@ -60,8 +61,12 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.prompt)
 
-    async def pieces(self) -> AsyncIterator[list[bytes]]:
-        """Batches of detokenized pieces as they come; ends when generation finishes."""
+    async def pieces(self, *, heartbeat: float | None = None) -> AsyncIterator[list[bytes]]:
+        """Batches of detokenized pieces as they come; ends when generation finishes.
+
+        With `heartbeat`, an empty batch comes whenever that many seconds pass without
+        output (a long prefill), so a stream can send keep-alive events.
+        """
         while True:
             self._ready = trio.Event()
             if self._pieces:
@@ -70,7 +75,10 @@ class Generation:
                 continue
             if self.finish_reason is not None:
                 return
-            await self._ready.wait()
+            with trio.move_on_after(heartbeat if heartbeat is not None else float("inf")):
+                await self._ready.wait()
+                continue
+            yield []
 
     def close(self) -> None:
         self.closed = True
@@ -84,6 +92,7 @@ class Generation:
             self.finish_reason = reason
             self.error = error
         self._ready.set()
+        self.attached.set()  # a request that fails before its lease must not wait forever
 
 
 @attrs.define(eq=False)
@@ -318,6 +327,7 @@ class Engine:
         generation.cached_tokens = keep
         generation.pending = generation.prompt[keep:]
         session.generation = generation
+        generation.attached.set()
 
     def _best_donor(
         self, session: Session, prompt: Sequence[int]

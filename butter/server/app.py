@@ -11,9 +11,9 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from butter import __version__
-from butter.errors import ButterError, InvalidRequest, RequestTooLarge
-from butter.protocol import openai
-from butter.server import chat_completions
+from butter.errors import ButterError, InvalidRequest, ModelNotFound, Overloaded, RequestTooLarge
+from butter.protocol import anthropic, openai
+from butter.server import chat_completions, messages
 from butter.server.resident import ResidentModel
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -29,8 +29,11 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
         return request.path.startswith("/v1/messages")
 
     def error_response(error: ButterError) -> Response:
-        body = error.anthropic_body() if is_anthropic() else error.openai_body()
-        return _json(body, status=error.status, headers=error.headers())
+        if not is_anthropic():
+            return _json(error.openai_body(), status=error.status, headers=error.headers())
+        # Anthropic says 529 overloaded_error where OpenAI clients expect 503.
+        status = 529 if isinstance(error, Overloaded) else error.status
+        return _json(error.anthropic_body(), status=status, headers=error.headers())
 
     @app.errorhandler(ButterError)
     async def handle_butter_error(error: ButterError) -> Response:
@@ -78,12 +81,31 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 
+    @app.post("/v1/messages")
+    async def create_message() -> Response:
+        messages_request = anthropic.parse_messages_request(await _json_body())
+        chat_request = anthropic.to_chat_request(messages_request)
+        _check_model(resident, chat_request.model)
+        prepared = chat_completions.prepare(resident, chat_request)
+        if not messages_request.stream:
+            return _json(await messages.create(resident, prepared))
+        resident.engine.admission.check_queue_room()
+        return Response(messages.stream(resident, prepared), mimetype="text/event-stream",
+                        headers=SSE_HEADERS)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens() -> Response:
+        chat_request = anthropic.to_chat_request(
+            anthropic.parse_count_tokens_request(await _json_body())
+        )
+        _check_model(resident, chat_request.model)
+        prepared = chat_completions.prepare(resident, chat_request)
+        return _json({"input_tokens": len(prepared.prompt)})
+
     return app
 
 
 def _check_model(resident: ResidentModel, model: str | None) -> None:
-    from butter.errors import ModelNotFound
-
     if model and model not in (resident.model_id, resident.backend.info.path):
         raise ModelNotFound(
             f"model {model!r} is not available; this server serves {resident.model_id!r}",

@@ -97,17 +97,21 @@ class OutputAssembler:
     """Token pieces → events: UTF-8 safe, stop strings cut, think blocks and tool calls
     recovered, never a partial tag or stop string emitted."""
 
-    def __init__(self, chat: PreparedChat) -> None:
+    def __init__(self, chat: PreparedChat, *, call_id_prefix: str = "call_") -> None:
         self._detokenizer = IncrementalDetokenizer()
         self._stops = StopMatcher(chat.request.stop_strings)
         self._markup = MarkupParser(
             openai.tool_schemas(chat.request), start_in_reasoning=chat.starts_in_reasoning,
-            new_call_id=lambda _: f"call_{uuid.uuid4().hex[:24]}",
+            new_call_id=lambda _: f"{call_id_prefix}{uuid.uuid4().hex[:24]}",
         )
 
     @property
     def stopped(self) -> bool:
         return self._stops.matched is not None
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stops.matched
 
     @property
     def tool_calls(self) -> int:
@@ -121,8 +125,14 @@ class OutputAssembler:
         return self._markup.feed(tail) + self._markup.finish()
 
 
-async def _events(generation: Generation, assembler: OutputAssembler) -> AsyncIterator[Event]:
-    async for pieces in generation.pieces():
+async def generated_events(
+    generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None
+) -> AsyncIterator[Event | None]:
+    """Parsed output events; None for a heartbeat (no output for `heartbeat` seconds)."""
+    async for pieces in generation.pieces(heartbeat=heartbeat):
+        if not pieces:
+            yield None
+            continue
         for event in assembler.feed(pieces):
             yield event
         if assembler.stopped:
@@ -163,12 +173,12 @@ async def complete(resident: ResidentModel, chat: PreparedChat) -> dict[str, Any
     async with resident.engine.generate(
         chat.prompt, chat.params, chat.request.requested_max_tokens
     ) as generation:
-        async for event in _events(generation, assembler):
+        async for event in generated_events(generation, assembler):
             if isinstance(event, ContentDelta):
                 content.append(event.text)
             elif isinstance(event, ReasoningDelta):
                 reasoning.append(event.text)
-            else:
+            elif isinstance(event, ToolCall):
                 calls.append(_tool_call_body(event))
     text = "".join(content)
     return openai.completion_body(
@@ -205,9 +215,9 @@ async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[b
             chat.prompt, chat.params, chat.request.requested_max_tokens,
         ) as generation:
             yield chunk({"role": "assistant", "content": ""})
-            async for event in _events(generation, assembler):
-                # One write per event: several SSE frames, one syscall.
-                yield b"".join(chunk(delta) for delta in _deltas(event))
+            async for event in generated_events(generation, assembler):
+                if event is not None:  # one write per event: several frames, one syscall
+                    yield b"".join(chunk(delta) for delta in _deltas(event))
         reason = finish_reason(generation, assembler)
     except ButterError as exc:  # after the headers went out: report in-band
         yield data_event(exc.openai_body())
