@@ -7,11 +7,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 
 import trio
 
 from butter import settings as defaults
 from butter.errors import ModelLoadError
+from butter.server.residency import Residency
 from butter.server.resident import ResidentModel
 from butter.server.serve import ROUTES, ServeServer
 from butter.settings import ServeSettings
@@ -57,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
+    serve.add_argument("--models-dir",
+                       help="a folder of .gguf files that requests may name (e.g. qwen3-0.6b)")
+    serve.add_argument("--allow-swap", action=argparse.BooleanOptionalAction, default=True,
+                       help="let a request's `model` swap the resident model (default: allow)")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                        help="default for chat_template_kwargs.enable_thinking when a client "
                             "omits it (templates that support thinking)")
@@ -73,24 +79,29 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         threads=args.threads, shutdown_grace=args.shutdown_grace,
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
+        models_dir=args.models_dir, allow_swap=args.allow_swap,
     )
 
 
 async def serve_command(settings: ServeSettings) -> None:
-    resident = await ResidentModel.load(settings)
+    resident = await ResidentModel.load(settings)  # boot failures end here, in one line
     try:
+        residency = Residency(
+            partial(ResidentModel.load, settings), initial=resident,
+            models_dir=settings.models_dir, allow_swap=settings.allow_swap,
+        )
         server = ServeServer(
-            host=settings.host, port=settings.port, resident=resident,
+            host=settings.host, port=settings.port, residency=residency,
             max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.shutdown_on_signals)
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
-            _print_banner(resident, host, port)
+            _print_banner(residency.current, host, port)
         log.info("butter stopped")
     finally:
-        resident.close()
+        resident.close()  # idempotent: the residency frees whatever model it ended with
 
 
 async def _serve_then_stop_helpers(

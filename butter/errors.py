@@ -80,5 +80,14 @@ class Overloaded(ButterError):
         return {"Retry-After": str(self.retry_after)}
 
 
+class ModelReplaced(ButterError):
+    """The request's model was unloaded (a swap or shutdown) while it waited or ran."""
+
+    status = 503
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+    code = "model_replaced"
+
+
 class ModelLoadError(Exception):
     """A checkpoint could not be resolved or loaded; the message is one readable line."""

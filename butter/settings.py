@@ -50,6 +50,8 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    models_dir: str | None = None
+    allow_swap: bool = True
     enable_thinking: bool | None = None  # template default when a client does not say
     reasoning_effort: str | None = None  # likewise, for `reasoning_effort`
 

@@ -179,7 +179,12 @@ class LlamaCppBackend:
 
     # ------------------------------------------------------------------ text
 
+    def _check_open(self) -> None:
+        if self._model is None:
+            raise BackendError("the model was unloaded")
+
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         capacity = len(data) + 8
         tokens = (ll.llama_token * capacity)()
@@ -208,6 +213,7 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        self._check_open()
         for op in ops:
             self._apply(op)
         if not works:
@@ -326,6 +332,7 @@ class LlamaCppBackend:
 
     def check_grammar(self, grammar: str) -> None:
         """Raise ValueError if llama.cpp cannot parse this GBNF (before it reaches a step)."""
+        self._check_open()
         sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
         if not sampler:
             raise ValueError("llama.cpp rejected the grammar")

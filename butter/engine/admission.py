@@ -30,6 +30,7 @@ class _Waiter:
     cells: int
     granted: trio.Event = attrs.field(factory=trio.Event)
     ticket: Ticket | None = None
+    refused: Exception | None = None
 
 
 @attrs.frozen
@@ -50,6 +51,15 @@ class Admission:
         self._active: set[Ticket] = set()
         self._reserved = 0
         self._numbers = itertools.count(1)
+        self._closed: Exception | None = None
+
+    def close(self, reason: Exception) -> None:
+        """No more admissions: every waiter (and every later caller) gets `reason`."""
+        self._closed = reason
+        while self._queue:
+            waiter = self._queue.popleft()
+            waiter.refused = reason
+            waiter.granted.set()
 
     def stats(self) -> AdmissionStats:
         return AdmissionStats(
@@ -74,6 +84,8 @@ class Admission:
             raise ContextLengthExceeded(
                 f"this request needs {cells} KV cells but the pool has {self.total_cells}"
             )
+        if self._closed is not None:
+            raise self._closed
         waiter = _Waiter(cells)
         if not self._queue and self._fits(cells):
             return self._grant(waiter)
@@ -89,6 +101,8 @@ class Admission:
                 self._queue.remove(waiter)
                 self._grant_waiting()  # the head may have changed
             raise
+        if waiter.refused is not None:
+            raise waiter.refused
         assert waiter.ticket is not None
         return waiter.ticket
 

@@ -31,7 +31,8 @@ from butter.engine.admission import Admission, Ticket
 from butter.engine.scheduler import PendingWork, plan_step
 from butter.sampling import SamplingParams
 
-FinishReason = Literal["stop", "length", "error"]
+# "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
+FinishReason = Literal["stop", "length", "error", "aborted"]
 
 # A request that does not name max_tokens reserves its completion in steps of this
 # many cells, growing while the pool has room, instead of the whole context at once.
@@ -115,6 +116,10 @@ class EngineStats:
     slots: int
     steps: int
     session_cells: tuple[int, ...]  # cached positions per session (busy or idle)
+
+
+class EngineStopped(Exception):
+    """Raised to requests that wait for admission when the engine stops."""
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -205,7 +210,7 @@ class Engine:
                     continue
                 await self._step(works)
         finally:
-            self._fail_all("the model was unloaded")
+            self.abort_all("the model was unloaded")
 
     async def _step(self, works: list[SeqWork]) -> None:
         ops, self._ops = self._ops, []
@@ -270,12 +275,14 @@ class Engine:
             if session.generation is not None:
                 session.generation._finish("error", message)
 
-    def _fail_all(self, message: str) -> None:
+    def abort_all(self, message: str) -> None:
+        """End every request, queued or running, with finish reason "aborted"."""
+        self.admission.close(EngineStopped(message))
         for generation in self._joining:
-            generation._finish("error", message)
+            generation._finish("aborted", message)
         for session in self._sessions:
             if session.generation is not None:
-                session.generation._finish("error", message)
+                session.generation._finish("aborted", message)
 
     # ------------------------------------------------------------------ leasing
 

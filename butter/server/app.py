@@ -14,12 +14,13 @@ from butter import __version__
 from butter.errors import ButterError, InvalidRequest, ModelNotFound, Overloaded, RequestTooLarge
 from butter.protocol import anthropic, openai
 from butter.server import chat_completions, messages
+from butter.server.residency import Residency
 from butter.server.resident import ResidentModel
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
+def create_app(residency: Residency, *, max_body_bytes: int) -> QuartTrio:
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
@@ -58,20 +59,23 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return _json({"object": "list", "data": [_model_card(resident)]})
+        return _json({"object": "list", "data": [_model_card(residency.current)]})
 
     @app.get("/v1/server")
     async def server_info() -> Response:
+        resident = residency.current
         return _json({
             "version": __version__,
             "model": _model_card(resident),
             "engine": attrs.asdict(resident.engine.stats()),
+            "swaps": residency.swaps,
+            "allow_swap": residency.allow_swap,
         })
 
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
         chat_request = openai.parse_chat_request(await _json_body())
-        _check_model(resident, chat_request.model)
+        resident = await residency.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         if not chat_request.stream:
             return _json(await chat_completions.complete(resident, prepared))
@@ -85,7 +89,7 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
     async def create_message() -> Response:
         messages_request = anthropic.parse_messages_request(await _json_body())
         chat_request = anthropic.to_chat_request(messages_request)
-        _check_model(resident, chat_request.model)
+        resident = await residency.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         if not messages_request.stream:
             return _json(await messages.create(resident, prepared))
@@ -98,6 +102,7 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
         chat_request = anthropic.to_chat_request(
             anthropic.parse_count_tokens_request(await _json_body())
         )
+        resident = residency.current  # counting never swaps models
         _check_model(resident, chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         return _json({"input_tokens": len(prepared.prompt)})
@@ -106,7 +111,7 @@ def create_app(resident: ResidentModel, *, max_body_bytes: int) -> QuartTrio:
 
 
 def _check_model(resident: ResidentModel, model: str | None) -> None:
-    if model and model not in (resident.model_id, resident.backend.info.path):
+    if model and model not in resident.names:
         raise ModelNotFound(
             f"model {model!r} is not available; this server serves {resident.model_id!r}",
             param="model",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -19,8 +20,8 @@ from butter.chat.markup import (
     ToolCall,
 )
 from butter.chat.stops import StopMatcher
-from butter.engine.engine import Generation
-from butter.errors import ButterError, ContextLengthExceeded, InvalidRequest
+from butter.engine.engine import EngineStopped, Generation
+from butter.errors import ButterError, ContextLengthExceeded, InvalidRequest, ModelReplaced
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
 from butter.sampling import SamplingParams
@@ -142,7 +143,21 @@ async def generated_events(
         yield event
 
 
+@asynccontextmanager
+async def running(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[Generation]:
+    """The request's generation on the resident engine, admitted and always released."""
+    try:
+        async with resident.engine.generate(
+            chat.prompt, chat.params, chat.request.requested_max_tokens
+        ) as generation:
+            yield generation
+    except EngineStopped as exc:
+        raise ModelReplaced(str(exc)) from None
+
+
 def finish_reason(generation: Generation, assembler: OutputAssembler) -> openai.FinishReason:
+    if generation.finish_reason == "aborted":
+        raise ModelReplaced(generation.error or "the model was unloaded")
     if generation.finish_reason == "error":
         raise GenerationFailed(generation.error or "generation failed")
     if assembler.tool_calls:
@@ -170,9 +185,7 @@ async def complete(resident: ResidentModel, chat: PreparedChat) -> dict[str, Any
     content: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    async with resident.engine.generate(
-        chat.prompt, chat.params, chat.request.requested_max_tokens
-    ) as generation:
+    async with running(resident, chat) as generation:
         async for event in generated_events(generation, assembler):
             if isinstance(event, ContentDelta):
                 content.append(event.text)
@@ -211,17 +224,14 @@ async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[b
         ))
 
     try:
-        async with resident.engine.generate(
-            chat.prompt, chat.params, chat.request.requested_max_tokens,
-        ) as generation:
+        async with running(resident, chat) as generation:
             yield chunk({"role": "assistant", "content": ""})
             async for event in generated_events(generation, assembler):
                 if event is not None:  # one write per event: several frames, one syscall
                     yield b"".join(chunk(delta) for delta in _deltas(event))
         reason = finish_reason(generation, assembler)
-    except ButterError as exc:  # after the headers went out: report in-band
-        yield data_event(exc.openai_body())
-        yield DONE
+    except ButterError as exc:  # after the headers went out: end cleanly, then say why
+        yield chunk({}, "stop") + data_event(exc.openai_body()) + DONE
         return
     tail = chunk({}, reason)
     if chat.request.include_usage:

@@ -25,9 +25,7 @@ def new_message_id() -> str:
 async def create(resident: ResidentModel, prepared: chat.PreparedChat) -> dict[str, Any]:
     assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
     blocks = _BlockCollector()
-    async with resident.engine.generate(
-        prepared.prompt, prepared.params, prepared.request.requested_max_tokens
-    ) as generation:
+    async with chat.running(resident, prepared) as generation:
         async for event in chat.generated_events(generation, assembler):
             if event is not None:
                 blocks.add(event)
@@ -113,9 +111,7 @@ async def stream(resident: ResidentModel, prepared: chat.PreparedChat) -> AsyncI
     blocks = _StreamBlocks()
     message_id = new_message_id()
     try:
-        async with resident.engine.generate(
-            prepared.prompt, prepared.params, prepared.request.requested_max_tokens
-        ) as generation:
+        async with chat.running(resident, prepared) as generation:
             await generation.attached.wait()  # the cached prefix is known from here on
             start = anthropic.message_body(
                 message_id=message_id, model=resident.model_id, content=[], stop=None,
@@ -130,8 +126,8 @@ async def stream(resident: ResidentModel, prepared: chat.PreparedChat) -> AsyncI
                 else:
                     yield b"".join(blocks.on(event))
         finish = chat.finish_reason(generation, assembler)
-    except ButterError as exc:  # after the headers went out: an error event
-        yield named_event("error", exc.anthropic_body())
+    except ButterError as exc:  # after the headers went out: close blocks, then an error event
+        yield b"".join([*blocks.close(), named_event("error", exc.anthropic_body())])
         return
     delta = {
         "type": "message_delta",

@@ -39,6 +39,8 @@ class ResidentModel:
         geometry: KvGeometry, settings: ServeSettings,
     ) -> None:
         self.model_id = model_id
+        self.names = {model_id}  # every id that names this model without a reload
+        self.is_boot_model = False
         self.backend = backend
         self.template = template
         self.template_defaults = settings.template_defaults()
@@ -51,8 +53,9 @@ class ResidentModel:
     @classmethod
     def load_sync(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
         """Resolve, load and size the model (blocking: call from a worker thread)."""
+        alias = settings.alias if model_id is None else None
         model_id = model_id or settings.model
-        path = resolve_model(model_id)
+        path = resolve_model(model_id, settings.models_dir)
         geometry_holder: list[KvGeometry] = []
 
         def size_pool(n_ctx_train: int) -> int:
@@ -71,10 +74,14 @@ class ResidentModel:
         except BaseException:
             backend.close()
             raise
-        return cls(settings.alias or model_id, backend, template, geometry_holder[0], settings)
+        resident = cls(alias or model_id, backend, template, geometry_holder[0], settings)
+        resident.is_boot_model = model_id == settings.model
+        resident.names = {model_id, str(path), str(path.resolve()), alias or model_id}
+        return resident
 
     @classmethod
     async def load(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
+        """Load in a worker thread; cancelling the caller waits for the load to finish."""
         return await trio.to_thread.run_sync(cls.load_sync, settings, model_id)
 
     def tokenize_prompt(self, text: str) -> list[int]:

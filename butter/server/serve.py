@@ -10,7 +10,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from butter.server.app import create_app
-from butter.server.resident import ResidentModel
+from butter.server.residency import Residency
 from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_SECONDS
 
 ROUTES = (
@@ -26,13 +26,13 @@ log = logging.getLogger("butter")
 
 class ServeServer:
     def __init__(
-        self, *, host: str, port: int, resident: ResidentModel,
+        self, *, host: str, port: int, residency: Residency,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
     ) -> None:
         self.host = host
         self.port = port
-        self.resident = resident
+        self.residency = residency
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace = shutdown_grace
         self.shutdown_requested = trio.Event()
@@ -57,9 +57,9 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = create_app(self.resident, max_body_bytes=self.max_body_bytes)
+        app = create_app(self.residency, max_body_bytes=self.max_body_bytes)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.resident.engine.run)
+            await nursery.start(self.residency.run)  # the model is loaded before any traffic
             binds = await nursery.start(self._serve_http, app, nursery.cancel_scope)
             host, _, port = binds[0].removeprefix("http://").rpartition(":")
             task_status.started((host.strip("[]"), int(port)))
@@ -75,7 +75,7 @@ class ServeServer:
                 task_status=task_status,
             )
         finally:
-            scope.cancel()  # HTTP is done (graceful shutdown over): stop the engine too
+            scope.cancel()  # HTTP is done (graceful shutdown over): stop the engine, free the model
 
     async def run_forever(self) -> None:
         """Serve until SIGINT/SIGTERM, then shut down gracefully."""
