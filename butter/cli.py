@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt tokens evaluated per engine step (default %(default)s)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
                        help="llama.cpp threads (default: usable cores, %(default)s)")
+    serve.add_argument("--stream-flush-ms", type=float,
+                       default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
+                       help="after the first token, write stream chunks at most this often; "
+                            "0 = every token (default %(default)s)")
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
@@ -78,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         threads=args.threads, shutdown_grace=args.shutdown_grace,
+        stream_flush=max(0.0, args.stream_flush_ms / 1000),
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
         models_dir=args.models_dir, allow_swap=args.allow_swap,
     )
@@ -93,6 +98,7 @@ async def serve_command(settings: ServeSettings) -> None:
         server = ServeServer(
             host=settings.host, port=settings.port, residency=residency,
             max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
+            stream_flush=settings.stream_flush,
         )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.shutdown_on_signals)

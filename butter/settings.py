@@ -20,6 +20,9 @@ DEFAULT_CELLS_PER_EXTRA_SESSION = 2048
 # decode latency of siblings low; larger ones prefill faster. Measured on 2 cores.
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# After a stream's first content, SSE frames are written at most this often (seconds):
+# fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
+DEFAULT_STREAM_FLUSH_SECONDS = 0.1
 RETRY_AFTER_SECONDS = 1
 # On SIGINT/SIGTERM, active requests get this long to finish before they are cancelled.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
@@ -49,6 +52,7 @@ class ServeSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     threads: int = attrs.field(factory=usable_cores)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     models_dir: str | None = None
     allow_swap: bool = True

@@ -20,7 +20,9 @@ from butter.server.resident import ResidentModel
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(residency: Residency, *, max_body_bytes: int) -> QuartTrio:
+def create_app(
+    residency: Residency, *, max_body_bytes: int, stream_flush: float = 0.0
+) -> QuartTrio:
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
@@ -81,7 +83,7 @@ def create_app(residency: Residency, *, max_body_bytes: int) -> QuartTrio:
             return _json(await chat_completions.complete(resident, prepared))
         resident.engine.admission.check_queue_room()
         return Response(
-            chat_completions.stream(resident, prepared),
+            chat_completions.stream(resident, prepared, flush_interval=stream_flush),
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -94,8 +96,8 @@ def create_app(residency: Residency, *, max_body_bytes: int) -> QuartTrio:
         if not messages_request.stream:
             return _json(await messages.create(resident, prepared))
         resident.engine.admission.check_queue_room()
-        return Response(messages.stream(resident, prepared), mimetype="text/event-stream",
-                        headers=SSE_HEADERS)
+        return Response(messages.stream(resident, prepared, flush_interval=stream_flush),
+                        mimetype="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Response:

@@ -25,6 +25,7 @@ from butter.errors import ButterError, ContextLengthExceeded, InvalidRequest, Mo
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
 from butter.sampling import SamplingParams
+from butter.server.coalesce import FrameCoalescer
 from butter.server.resident import ResidentModel
 
 
@@ -214,8 +215,11 @@ def _deltas(event: Event) -> list[dict[str, Any]]:
     return [{"tool_calls": [opening]}, {"tool_calls": [arguments]}]
 
 
-async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[bytes]:
+async def stream(
+    resident: ResidentModel, chat: PreparedChat, *, flush_interval: float = 0.0
+) -> AsyncIterator[bytes]:
     assembler = OutputAssembler(chat)
+    frames = FrameCoalescer(flush_interval)
 
     def chunk(delta: dict[str, Any], reason: openai.FinishReason | None = None) -> bytes:
         return data_event(openai.chunk_body(
@@ -227,13 +231,16 @@ async def stream(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[b
         async with running(resident, chat) as generation:
             yield chunk({"role": "assistant", "content": ""})
             async for event in generated_events(generation, assembler):
-                if event is not None:  # one write per event: several frames, one syscall
-                    yield b"".join(chunk(delta) for delta in _deltas(event))
+                if event is None:
+                    continue
+                ready = frames.add(b"".join(chunk(delta) for delta in _deltas(event)))
+                if ready:
+                    yield ready
         reason = finish_reason(generation, assembler)
     except ButterError as exc:  # after the headers went out: end cleanly, then say why
-        yield chunk({}, "stop") + data_event(exc.openai_body()) + DONE
+        yield frames.take() + chunk({}, "stop") + data_event(exc.openai_body()) + DONE
         return
-    tail = chunk({}, reason)
+    tail = frames.take() + chunk({}, reason)
     if chat.request.include_usage:
         tail += data_event(openai.usage_chunk_body(
             completion_id=chat.completion_id, model=resident.model_id, created=chat.created,

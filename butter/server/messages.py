@@ -11,6 +11,7 @@ from butter.errors import ButterError
 from butter.protocol import anthropic
 from butter.protocol.sse import named_event
 from butter.server import chat_completions as chat
+from butter.server.coalesce import FrameCoalescer
 from butter.server.resident import ResidentModel
 
 # While a long prompt is prefilled, a ping keeps proxies and clients from timing out.
@@ -106,8 +107,11 @@ class _StreamBlocks:
                            {"type": "content_block_delta", "index": self._index, "delta": delta})
 
 
-async def stream(resident: ResidentModel, prepared: chat.PreparedChat) -> AsyncIterator[bytes]:
+async def stream(
+    resident: ResidentModel, prepared: chat.PreparedChat, *, flush_interval: float = 0.0
+) -> AsyncIterator[bytes]:
     assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
+    frames = FrameCoalescer(flush_interval)
     blocks = _StreamBlocks()
     message_id = new_message_id()
     try:
@@ -121,13 +125,15 @@ async def stream(resident: ResidentModel, prepared: chat.PreparedChat) -> AsyncI
             async for event in chat.generated_events(
                 generation, assembler, heartbeat=PING_INTERVAL_SECONDS
             ):
-                if event is None:
-                    yield named_event("ping", {"type": "ping"})
-                else:
-                    yield b"".join(blocks.on(event))
+                frame = named_event("ping", {"type": "ping"}) if event is None else b"".join(
+                    blocks.on(event))
+                ready = frames.add(frame)
+                if ready:
+                    yield ready
         finish = chat.finish_reason(generation, assembler)
     except ButterError as exc:  # after the headers went out: close blocks, then an error event
-        yield b"".join([*blocks.close(), named_event("error", exc.anthropic_body())])
+        yield b"".join([frames.take(), *blocks.close(),
+                        named_event("error", exc.anthropic_body())])
         return
     delta = {
         "type": "message_delta",
@@ -135,5 +141,5 @@ async def stream(resident: ResidentModel, prepared: chat.PreparedChat) -> AsyncI
                   "stop_sequence": assembler.matched_stop},
         "usage": anthropic.usage_body(chat.usage(generation)),
     }
-    yield b"".join([*blocks.close(), named_event("message_delta", delta),
+    yield b"".join([frames.take(), *blocks.close(), named_event("message_delta", delta),
                     named_event("message_stop", {"type": "message_stop"})])

@@ -11,7 +11,11 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from butter.server.app import create_app
 from butter.server.residency import Residency
-from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_SECONDS
+from butter.settings import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SHUTDOWN_GRACE_SECONDS,
+    DEFAULT_STREAM_FLUSH_SECONDS,
+)
 
 ROUTES = (
     "GET  /health",
@@ -29,7 +33,9 @@ class ServeServer:
         self, *, host: str, port: int, residency: Residency,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
+        stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
     ) -> None:
+        self.stream_flush = stream_flush
         self.host = host
         self.port = port
         self.residency = residency
@@ -57,7 +63,8 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = create_app(self.residency, max_body_bytes=self.max_body_bytes)
+        app = create_app(self.residency, max_body_bytes=self.max_body_bytes,
+                         stream_flush=self.stream_flush)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.residency.run)  # the model is loaded before any traffic
             binds = await nursery.start(self._serve_http, app, nursery.cancel_scope)
