@@ -7,13 +7,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from functools import partial
 
 import trio
 
 from butter import settings as defaults
 from butter.errors import ModelLoadError
-from butter.server.residency import Residency
+from butter.model import Model
+from butter.server.backends import ResidentServeBackend, gguf_precheck
 from butter.server.resident import ResidentModel
 from butter.server.serve import ROUTES, ServeServer
 from butter.settings import ServeSettings
@@ -89,25 +89,31 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
 
 async def serve_command(settings: ServeSettings) -> None:
-    resident = await ResidentModel.load(settings)  # boot failures end here, in one line
+    model = await Model.from_settings(settings)  # boot failures end here, in one line
+
+    async def load(model_id: str) -> Model:
+        return await Model.from_settings(settings, None if model_id == settings.model
+                                         else model_id)
+
+    backend = ResidentServeBackend(
+        loader=load, initial=model, initial_model_id=settings.model,
+        allow_swap=settings.allow_swap, precheck=gguf_precheck(settings.models_dir),
+    )
+    server = ServeServer(
+        host=settings.host, port=settings.port, backend=backend,
+        max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
+        stream_flush=settings.stream_flush,
+    )
     try:
-        residency = Residency(
-            partial(ResidentModel.load, settings), initial=resident,
-            models_dir=settings.models_dir, allow_swap=settings.allow_swap,
-        )
-        server = ServeServer(
-            host=settings.host, port=settings.port, residency=residency,
-            max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
-            stream_flush=settings.stream_flush,
-        )
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.shutdown_on_signals)
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
-            _print_banner(residency.current, host, port)
+            _print_banner(backend.current, host, port)
         log.info("butter stopped")
     finally:
-        resident.close()  # idempotent: the residency frees whatever model it ended with
+        with trio.CancelScope(shield=True):
+            await backend.aclose()
 
 
 async def _serve_then_stop_helpers(

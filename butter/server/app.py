@@ -14,14 +14,14 @@ from butter import __version__
 from butter.errors import ButterError, InvalidRequest, ModelNotFound, Overloaded, RequestTooLarge
 from butter.protocol import anthropic, openai
 from butter.server import chat_completions, messages
-from butter.server.residency import Residency
+from butter.server.backends import ServeBackend
 from butter.server.resident import ResidentModel
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(
-    residency: Residency, *, max_body_bytes: int, stream_flush: float = 0.0
+    backend: ServeBackend, *, max_body_bytes: int, stream_flush: float = 0.0
 ) -> QuartTrio:
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
@@ -61,23 +61,23 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return _json({"object": "list", "data": [_model_card(residency.current)]})
+        return _json({"object": "list", "data": [_model_card(backend.current)]})
 
     @app.get("/v1/server")
     async def server_info() -> Response:
-        resident = residency.current
+        resident = backend.current
         return _json({
             "version": __version__,
             "model": _model_card(resident),
             "engine": attrs.asdict(resident.engine.stats()),
-            "swaps": residency.swaps,
-            "allow_swap": residency.allow_swap,
+            "swaps": backend.swaps,
+            "allow_swap": backend.allow_swap,
         })
 
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
         chat_request = openai.parse_chat_request(await _json_body())
-        resident = await residency.resident_for(chat_request.model)
+        resident = await backend.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         if not chat_request.stream:
             return _json(await chat_completions.complete(resident, prepared))
@@ -91,7 +91,7 @@ def create_app(
     async def create_message() -> Response:
         messages_request = anthropic.parse_messages_request(await _json_body())
         chat_request = anthropic.to_chat_request(messages_request)
-        resident = await residency.resident_for(chat_request.model)
+        resident = await backend.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         if not messages_request.stream:
             return _json(await messages.create(resident, prepared))
@@ -104,7 +104,7 @@ def create_app(
         chat_request = anthropic.to_chat_request(
             anthropic.parse_count_tokens_request(await _json_body())
         )
-        resident = residency.current  # counting never swaps models
+        resident = backend.current  # counting never swaps models
         _check_model(resident, chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
         return _json({"input_tokens": len(prepared.prompt)})

@@ -44,11 +44,20 @@ class PreparedChat:
 
 
 def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest) -> PreparedChat:
+    """Render the messages with the chat template, tokenize, check, choose a grammar."""
     text = resident.template.render(
         openai.template_messages(request), tools=openai.template_tools(request),
         template_kwargs={**resident.template_defaults, **openai.template_kwargs(request)},
     )
-    prompt = resident.tokenize_prompt(text)
+    return prepare_tokens(resident, request, resident.tokenize_prompt(text),
+                          starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+
+
+def prepare_tokens(
+    resident: ResidentModel, request: openai.ChatCompletionRequest, prompt: list[int],
+    *, starts_in_reasoning: bool = False,
+) -> PreparedChat:
+    """A request whose prompt tokens are already known (raw completions, too)."""
     check_fits(len(prompt), request.requested_max_tokens, resident.max_context)
     grammar = output_grammar(request)
     if grammar is not None:
@@ -58,8 +67,7 @@ def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest) -> P
             raise InvalidRequest(f"cannot constrain the output: {exc}") from None
     params = attrs.evolve(openai.sampling_params(request), grammar=grammar)
     return PreparedChat(
-        request=request, prompt=prompt, params=params,
-        starts_in_reasoning=text.rstrip().endswith(THINK_OPEN),
+        request=request, prompt=prompt, params=params, starts_in_reasoning=starts_in_reasoning,
         completion_id=f"chatcmpl-{uuid.uuid4().hex}", created=openai.now(),
     )
 

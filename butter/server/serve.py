@@ -1,4 +1,11 @@
-"""ServeServer: the resident model's engine and the HTTP app on hypercorn (trio worker)."""
+"""ServeServer: a ServeBackend's model over HTTP, on hypercorn's trio worker.
+
+    server = ServeServer(host="127.0.0.1", port=0, backend=backend)
+    host, port = await nursery.start(server.serve)   # or: await server.run_forever()
+
+Cancelling the scope stops it; `request_shutdown()` (or SIGINT/SIGTERM under
+run_forever) stops accepting and gives active requests `shutdown_grace` seconds.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from butter.server.app import create_app
-from butter.server.residency import Residency
+from butter.server.backends import ServeBackend
 from butter.settings import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
@@ -30,7 +37,7 @@ log = logging.getLogger("butter")
 
 class ServeServer:
     def __init__(
-        self, *, host: str, port: int, residency: Residency,
+        self, *, host: str, port: int, backend: ServeBackend,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
@@ -38,7 +45,7 @@ class ServeServer:
         self.stream_flush = stream_flush
         self.host = host
         self.port = port
-        self.residency = residency
+        self.backend = backend
         self.max_body_bytes = max_body_bytes
         self.shutdown_grace = shutdown_grace
         self.shutdown_requested = trio.Event()
@@ -63,26 +70,22 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = create_app(self.residency, max_body_bytes=self.max_body_bytes,
+        app = create_app(self.backend, max_body_bytes=self.max_body_bytes,
                          stream_flush=self.stream_flush)
+        await self.backend.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.residency.run)  # the model is loaded before any traffic
-            binds = await nursery.start(self._serve_http, app, nursery.cancel_scope)
+            binds = await nursery.start(self._serve_http, app)
             host, _, port = binds[0].removeprefix("http://").rpartition(":")
             task_status.started((host.strip("[]"), int(port)))
 
     async def _serve_http(
-        self, app: object, scope: trio.CancelScope, *,
-        task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+        self, app: object, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        try:
-            await hypercorn_serve(
-                app,  # type: ignore[arg-type]
-                self._config(), shutdown_trigger=self.shutdown_requested.wait,
-                task_status=task_status,
-            )
-        finally:
-            scope.cancel()  # HTTP is done (graceful shutdown over): stop the engine, free the model
+        await hypercorn_serve(
+            app,  # type: ignore[arg-type]
+            self._config(), shutdown_trigger=self.shutdown_requested.wait,
+            task_status=task_status,
+        )
 
     async def run_forever(self) -> None:
         """Serve until SIGINT/SIGTERM, then shut down gracefully."""

@@ -1,0 +1,176 @@
+"""What a ServeServer serves: a fixed Model, or a resident Model that requests can swap.
+
+- `ButterServeBackend(model=..., model_id=...)`: one Model, never swapped.
+- `ResidentServeBackend(loader=..., initial_model_id=...)`: one resident Model at a time,
+  swapped when a request names another id. In-flight and queued requests of the old model
+  end (their clients are told the model was replaced), the old model is freed, the new
+  one is loaded, and the request proceeds. Requests arriving meanwhile wait, in order. A
+  bad id or a failed load answers 404 and leaves (or restores) the old model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+import trio
+
+from butter.backends.llama_cpp import check_gguf_file
+from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound
+from butter.model import Model
+from butter.models import InvalidModelId, resolve_model
+from butter.server.resident import ResidentModel
+
+log = logging.getLogger("butter")
+
+Loader = Callable[[str], Awaitable[Model]]
+
+
+class ServeBackend(Protocol):
+    """What the HTTP routes need from whatever holds the model."""
+
+    swaps: int
+    allow_swap: bool
+
+    @property
+    def current(self) -> ResidentModel: ...
+
+    async def resident_for(self, model: str | None) -> ResidentModel: ...
+
+    async def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+def gguf_precheck(models_dir: str | None) -> Callable[[str], None]:
+    """The CLI's check: the id resolves to a readable file with the GGUF magic."""
+
+    def check(model: str) -> None:
+        check_gguf_file(Path(resolve_model(model, models_dir)))
+
+    return check
+
+
+def _not_served(model: str, current: ResidentModel, why: str) -> ModelNotFound:
+    return ModelNotFound(
+        f"model {model!r} is not available; this server serves {current.model_id!r}{why}",
+        param="model",
+    )
+
+
+class ButterServeBackend:
+    """Serve one already loaded Model under `model_id`; other ids get 404."""
+
+    allow_swap = False
+
+    def __init__(self, *, model: Model, model_id: str | None = None,
+                 maximum_concurrent_requests: int | None = None) -> None:
+        self.model = model
+        self.swaps = 0
+        resident = model.resident
+        if model_id is not None:
+            resident.model_id = model_id
+            resident.names.add(model_id)
+        if maximum_concurrent_requests is not None:
+            if maximum_concurrent_requests > resident.backend.n_seq:
+                raise ValueError(
+                    f"maximum_concurrent_requests={maximum_concurrent_requests} exceeds the "
+                    f"model's {resident.backend.n_seq} sessions: load it with a larger parallel"
+                )
+            resident.engine.admission.slots = maximum_concurrent_requests
+
+    @property
+    def current(self) -> ResidentModel:
+        return self.model.resident
+
+    async def resident_for(self, model: str | None) -> ResidentModel:
+        if model and model not in self.current.names:
+            raise _not_served(model, self.current, "")
+        return self.current
+
+    async def start(self) -> None:
+        return None  # the Model is loaded and its engine runs already
+
+    async def aclose(self) -> None:
+        return None  # the caller owns the Model
+
+
+class ResidentServeBackend:
+    """One resident Model, swapped through requests' `model` (loader: id → Model)."""
+
+    def __init__(
+        self, *, loader: Loader, initial_model_id: str | None = None,
+        initial: Model | None = None, allow_swap: bool = True,
+        precheck: Callable[[str], None] | None = None,
+    ) -> None:
+        """`precheck(id)` raises ModelLoadError for ids that cannot load, before the old
+        model is unloaded (the CLI checks that the GGUF exists and has the magic)."""
+        if initial is None and initial_model_id is None:
+            raise ValueError("give initial_model_id (or an initial Model)")
+        self._loader = loader
+        self._initial_id = initial_model_id or (initial.id if initial else "")
+        self._model = initial
+        self._precheck = precheck
+        self.allow_swap = allow_swap
+        self._lock = trio.Lock()  # FIFO: swaps, and requests waiting for one, go in order
+        self.swaps = 0
+
+    @property
+    def current(self) -> ResidentModel:
+        if self._model is None:
+            raise RuntimeError("no model is resident: call start() first")
+        return self._model.resident
+
+    async def start(self) -> None:
+        if self._model is None:
+            self._model = await self._loader(self._initial_id)
+
+    async def aclose(self) -> None:
+        if self._model is not None:
+            await self._model.aclose()
+            self._model = None
+
+    async def resident_for(self, model: str | None) -> ResidentModel:
+        if self._lock.locked():  # a swap is under way: wait for it, in order
+            async with self._lock:
+                pass
+        current = self.current
+        if not model or model in current.names:
+            return current
+        if not self.allow_swap:
+            raise _not_served(model, current, " and swapping is disabled (--no-allow-swap)")
+        self._check_loadable(model)
+        async with self._lock:
+            if model in self.current.names:  # someone else's swap brought it in
+                return self.current
+            return await self._swap(model)
+
+    def _check_loadable(self, model: str) -> None:
+        """What can be checked without touching the resident model."""
+        if self._precheck is None:
+            return
+        try:
+            self._precheck(model)
+        except InvalidModelId as exc:
+            raise InvalidRequest(str(exc), param="model") from None
+        except ModelLoadError as exc:
+            raise ModelNotFound(str(exc), param="model") from None
+
+    async def _swap(self, model: str) -> ResidentModel:
+        assert self._model is not None
+        old, old_id = self._model, self._model.id
+        restore_id = self._initial_id if old.resident.is_boot_model else old_id
+        log.info("swapping model %r for %r", old_id, model)
+        self._model = None
+        await old.aclose(f"the model was replaced by {model!r}")  # freed before the load
+        try:
+            self._model = await self._loader(model)
+        except ModelLoadError as exc:
+            log.warning("loading %r failed (%s): restoring %r", model, exc, old_id)
+            self._model = await self._loader(restore_id)
+            raise ModelNotFound(f"model {model!r} could not be loaded: {exc}",
+                                param="model") from None
+        self.swaps += 1
+        return self._model.resident
