@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import trio
 
 from butter import settings as defaults
+from butter.bench import command as bench_command
 from butter.errors import ModelLoadError
 from butter.model import Model
 from butter.server.backends import ResidentServeBackend, gguf_precheck
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
                        help="default reasoning_effort passed to the template")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    bench_command.add_parser(commands)
     return parser
 
 
@@ -151,6 +153,8 @@ def _print_banner(resident: ResidentModel, host: str, port: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve-bench":
+        return bench_command.run(args)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -116,6 +116,11 @@ class EngineStats:
     slots: int
     steps: int
     session_cells: tuple[int, ...]  # cached positions per session (busy or idle)
+    # Totals over every request that ran (since the engine started):
+    requests_done: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
 
 
 class EngineStopped(Exception):
@@ -145,7 +150,9 @@ class Engine:
         self._wakeup = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # the guarded worker thread
         self._steps = 0
-        self._closed = False
+        self._totals = dict.fromkeys(
+            ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens"), 0
+        )
 
     # ------------------------------------------------------------------ requests
 
@@ -182,6 +189,7 @@ class Engine:
             ),
             slots=admission.slots, steps=self._steps,
             session_cells=tuple(len(s.kv_tokens) for s in self._sessions),
+            **self._totals,
         )
 
     def drop_idle_caches(self) -> None:
@@ -297,6 +305,13 @@ class Engine:
                 # Free the slot now, not when the HTTP response is fully written: a
                 # client that stops reading must not pin a session slot.
                 self.admission.release(generation.ticket)
+                self._count(generation)
+
+    def _count(self, generation: Generation) -> None:
+        self._totals["requests_done"] += 1
+        self._totals["prompt_tokens"] += generation.prompt_tokens
+        self._totals["cached_tokens"] += generation.cached_tokens
+        self._totals["completion_tokens"] += generation.completion_tokens
 
     def _attach_joining(self) -> None:
         while self._joining:

@@ -1,0 +1,1 @@
+"""`butter serve-bench`: synchronized request waves against a running server."""

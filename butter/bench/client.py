@@ -1,0 +1,168 @@
+"""Drive synchronized waves of streaming chat requests at a server (httpx on trio)."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import httpx
+import trio
+import trio.lowlevel
+
+from butter.bench.metrics import Timeline
+
+# The marker leads, so lanes share no prompt prefix beyond the template's own header.
+STANDARD_TASK = "{marker}: write a short story about a lighthouse, starting with that tag."
+SHARED_STEM = (
+    "You are a careful assistant for a shipping company. Answer in plain English, be "
+    "concise, and never invent facts. The fleet has twelve ships, four ports and one "
+    "dispatcher. Routes change weekly; safety rules never change. "
+) * 6
+
+
+class BenchError(Exception):
+    """A condition that makes the benchmark meaningless (unreachable server, wrong model)."""
+
+
+@attrs.frozen
+class BenchConfig:
+    base_url: str
+    model: str
+    concurrency: tuple[int, ...]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    waves: int
+    shared_prompt: bool = False
+    long_prompt: str | None = None
+    long_prompt_lanes: int = 0
+    timeout: float = 300.0
+
+
+async def server_info(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
+    """GET /v1/models, and refuse to bench a model that is not resident (no swaps)."""
+    try:
+        response = await client.get(f"{config.base_url}/models")
+    except httpx.HTTPError as exc:
+        raise BenchError(f"cannot reach {config.base_url}: {exc}") from None
+    if response.status_code != 200:
+        raise BenchError(f"GET {config.base_url}/models answered {response.status_code}")
+    info: dict[str, Any] = response.json()
+    ids = [m.get("id") for m in info.get("data", [])]
+    if config.model not in ids:
+        raise BenchError(
+            f"model {config.model!r} is not resident on this server (it serves "
+            f"{', '.join(map(str, ids)) or 'nothing'}); serve-bench never triggers a swap: "
+            f"pass --model {ids[0]!r}" if ids else "the server lists no model"
+        )
+    return info
+
+
+def lane_messages(config: BenchConfig, marker: str, long_prompt: bool) -> list[dict[str, str]]:
+    task = STANDARD_TASK.format(marker=marker)
+    if long_prompt and config.long_prompt:
+        return [{"role": "user", "content": f"{config.long_prompt}\n\n{task}"}]
+    if config.shared_prompt:
+        return [{"role": "system", "content": SHARED_STEM}, {"role": "user", "content": task}]
+    return [{"role": "user", "content": task}]
+
+
+def _apply_chunk(timeline: Timeline, chunk: dict[str, Any], now: float) -> None:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        content = delta.get("content") or ""
+        if (content or delta.get("tool_calls")) and timeline.first_output is None:
+            timeline.first_output = now
+        timeline.text += content
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        timeline.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        timeline.completion_tokens = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        timeline.cached_tokens = int(details.get("cached_tokens") or usage.get(
+            "cached_tokens") or 0)
+
+
+def _decode_line(raw: bytes, timeline: Timeline) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        timeline.invalid_utf8 = True
+        return raw.decode("utf-8", errors="replace")
+
+
+async def _read_events(response: httpx.Response, timeline: Timeline) -> None:
+    buffer = b""
+    async for data in response.aiter_raw():
+        buffer += data
+        *lines, buffer = buffer.split(b"\n")
+        for raw in lines:
+            line = _decode_line(raw, timeline).strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            _apply_chunk(timeline, json.loads(line[5:]), time.perf_counter())
+
+
+async def run_request(
+    client: httpx.AsyncClient, config: BenchConfig, timeline: Timeline, go: trio.Event
+) -> None:
+    payload = {
+        "model": config.model, "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": config.max_tokens, "temperature": config.temperature,
+        "top_p": config.top_p,
+        "messages": lane_messages(config, timeline.marker, timeline.long_prompt),
+    }
+    await go.wait()
+    timeline.start = time.perf_counter()
+    try:
+        with trio.fail_after(config.timeout):
+            async with client.stream("POST", f"{config.base_url}/chat/completions",
+                                     json=payload) as response:
+                timeline.status = response.status_code
+                if response.status_code != 200:
+                    body = await response.aread()
+                    timeline.error = f"HTTP {response.status_code}: {body[:200]!r}"
+                else:
+                    await _read_events(response, timeline)
+    except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
+        timeline.error = f"{type(exc).__name__}: {exc}"[:300]
+    timeline.end = time.perf_counter()
+
+
+async def run_wave(
+    client: httpx.AsyncClient, config: BenchConfig, level: int, wave: int
+) -> list[Timeline]:
+    """`level` requests released together by one event."""
+    # Random first, so that markers do not share a prefix the cache could reuse.
+    timelines = [
+        Timeline(lane=lane, wave=wave, marker=f"{secrets.token_hex(4)}-c{level}w{wave}l{lane}",
+                 long_prompt=lane < config.long_prompt_lanes)
+        for lane in range(level)
+    ]
+    go = trio.Event()
+    async with trio.open_nursery() as nursery:
+        for timeline in timelines:
+            nursery.start_soon(run_request, client, config, timeline, go)
+        await trio.lowlevel.checkpoint()  # let every lane reach the starting line
+        go.set()
+    return timelines
+
+
+async def run_levels(
+    config: BenchConfig, on_wave: Callable[[int, int, list[Timeline]], None]
+) -> tuple[dict[str, Any], dict[int, list[list[Timeline]]]]:
+    limits = httpx.Limits(max_connections=max(config.concurrency) + 4)
+    async with httpx.AsyncClient(timeout=config.timeout, limits=limits) as client:
+        info = await server_info(client, config)
+        results: dict[int, list[list[Timeline]]] = {}
+        for level in config.concurrency:
+            results[level] = []
+            for wave in range(1, config.waves + 1):
+                timelines = await run_wave(client, config, level, wave)
+                results[level].append(timelines)
+                on_wave(level, wave, timelines)
+    return info, results
