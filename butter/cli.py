@@ -13,6 +13,7 @@ import trio
 from butter import settings as defaults
 from butter.bench import command as bench_command
 from butter.errors import ModelLoadError
+from butter.kv import kv_window, parse_aura_decode_path, parse_kv_cache
 from butter.model import Model
 from butter.server.backends import ResidentServeBackend, gguf_precheck
 from butter.server.resident import ResidentModel
@@ -64,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
+    serve.add_argument("--kv-cache", default="raw",
+                       help="KV cache: raw (f16), affine8 (q8_0), affine4 (q4_0), aura / "
+                            "auraNvM (not on llama.cpp: raw is used)")
+    serve.add_argument("--aura-decode-path",
+                       help="compressed or dequant-mirror; only with an AURA --kv-cache on a "
+                            "backend that has it (none yet), else ignored with a log line")
+    serve.add_argument("--kv-window-size", type=_positive,
+                       help="slide each session's KV over this many positions (StreamingLLM), "
+                            "so generation can run past it")
+    serve.add_argument("--kv-window-keep", type=int,
+                       help="attention-sink positions kept at the start of a sliding window "
+                            "(requires --kv-window-size)")
     serve.add_argument("--models-dir",
                        help="a folder of .gguf files that requests may name (e.g. qwen3-0.6b)")
     serve.add_argument("--allow-swap", action=argparse.BooleanOptionalAction, default=True,
@@ -79,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """Also validates the flag combinations, before any model is loaded."""
+    parse_kv_cache(args.kv_cache)
+    parse_aura_decode_path(args.aura_decode_path)
+    kv_window(args.kv_window_size, args.kv_window_keep)
     return ServeSettings(
         model=args.model, host=args.host, port=args.port, alias=args.alias,
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
@@ -86,11 +103,23 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         threads=args.threads, shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000),
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
-        models_dir=args.models_dir, allow_swap=args.allow_swap,
+        models_dir=args.models_dir, allow_swap=args.allow_swap, kv_cache=args.kv_cache,
+        aura_decode_path=args.aura_decode_path, kv_window_size=args.kv_window_size,
+        kv_window_keep=args.kv_window_keep,
     )
 
 
+def _log_kv_notes(settings: ServeSettings) -> None:
+    kv_type = parse_kv_cache(settings.kv_cache)
+    if kv_type.note:
+        log.warning(kv_type.note)
+    if settings.aura_decode_path is not None:
+        log.info("--aura-decode-path %s ignored: no AURA KV cache on the llama.cpp backend",
+                 settings.aura_decode_path)
+
+
 async def serve_command(settings: ServeSettings) -> None:
+    _log_kv_notes(settings)
     model = await Model.from_settings(settings)  # boot failures end here, in one line
 
     async def load(model_id: str) -> Model:
@@ -139,12 +168,17 @@ async def _exit_if_shutdown_hangs(server: ServeServer) -> None:
 
 def _print_banner(resident: ResidentModel, host: str, port: int) -> None:
     meta = resident.metadata()
+    kv = meta["kv"]
     base = f"http://{host}:{port}"
     lines = [
         f"butter: serving {resident.model_id!r} ({meta['description']})",
         f"  chat template: {meta['chat_template']}",
         f"  context: {resident.max_context} per request, {meta['kv_cells']} KV cells shared by "
         f"{meta['parallel']} session(s)",
+        f"  KV cache: {kv['cache']} ({kv['type']}), {kv['bytes_per_token']:.0f} bytes/token, "
+        f"{kv['pool_mib']} MiB pool"
+        + (f", window {kv['window_size']} keep {kv['window_keep']}" if kv["window_size"]
+           else ""),
         f"  base URL for OpenAI clients: {base}/v1",
         *(f"  {route}" for route in ROUTES),
     ]

@@ -54,6 +54,10 @@ class ServeSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    kv_cache: str = "raw"
+    aura_decode_path: str | None = None
+    kv_window_size: int | None = None
+    kv_window_keep: int | None = None
     models_dir: str | None = None
     allow_swap: bool = True
     enable_thinking: bool | None = None  # template default when a client does not say

@@ -43,12 +43,21 @@ class CopyPrefix:
 
 
 @attrs.frozen
+class ShiftPositions:
+    """Move positions [start, end of sequence) of `seq` by `delta` (a window slide)."""
+
+    seq: int
+    start: int
+    delta: int
+
+
+@attrs.frozen
 class SetSampler:
     seq: int
     params: SamplingParams
 
 
-KvOp = RemoveTokens | CopyPrefix | SetSampler
+KvOp = RemoveTokens | CopyPrefix | ShiftPositions | SetSampler
 
 
 @attrs.frozen

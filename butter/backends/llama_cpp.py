@@ -26,8 +26,10 @@ from butter.backends.base import (
     RemoveTokens,
     Sampled,
     SeqWork,
+    ShiftPositions,
 )
 from butter.errors import ModelLoadError
+from butter.kv import KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
 
 GGUF_MAGIC = b"GGUF"
@@ -83,7 +85,7 @@ def check_gguf_file(path: Path) -> None:
 class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
-        threads: int,
+        threads: int, kv_type: KvCacheType | None = None,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading)."""
         _init_llama_backend()
@@ -94,8 +96,9 @@ class LlamaCppBackend:
         try:
             self.info = self._read_info(path)
             cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
+            self.kv_type = kv_type or parse_kv_cache("raw")
             self._ctx = self._new_context(
-                cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads
+                cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads,
             )
         except BaseException:
             ll.llama_model_free(self._model)
@@ -156,6 +159,17 @@ class LlamaCppBackend:
             size_bytes=int(ll.llama_model_size(self._model)),
         )
 
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V bytes one position costs across all layers, at the cache's type."""
+        model, arch = self._model, self.info.architecture
+        n_head, n_head_kv = ll.llama_model_n_head(model), ll.llama_model_n_head_kv(model)
+        default_dim = ll.llama_model_n_embd(model) // max(1, n_head)
+        key_dim = int(self._meta(f"{arch}.attention.key_length") or default_dim)
+        value_dim = int(self._meta(f"{arch}.attention.value_length") or default_dim)
+        elements = ll.llama_model_n_layer(model) * n_head_kv * (key_dim + value_dim)
+        return float(elements * self.kv_type.bytes_per_element)
+
     def _special_text(self, token: int) -> str:
         if token < 0:
             return ""
@@ -172,6 +186,9 @@ class LlamaCppBackend:
         params.kv_unified = True
         params.swa_full = True
         params.no_perf = True
+        params.type_k = params.type_v = self.kv_type.ggml_type
+        if self.kv_type.quantized:  # a quantized V cache needs flash attention
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         ctx = ll.llama_init_from_model(self._model, params)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_cells} cells")
@@ -234,6 +251,8 @@ class LlamaCppBackend:
                 raise BackendError(f"cannot remove positions {op.start}.. of seq {op.seq}")
         elif isinstance(op, CopyPrefix):
             ll.llama_memory_seq_cp(self._mem, op.src, op.dst, 0, op.length)
+        elif isinstance(op, ShiftPositions):
+            ll.llama_memory_seq_add(self._mem, op.seq, op.start, -1, op.delta)
         else:
             self._set_sampler(op.seq, op.params)
 

@@ -26,9 +26,12 @@ from butter.backends.base import (
     Sampled,
     SeqWork,
     SetSampler,
+    ShiftPositions,
 )
 from butter.engine.admission import Admission, Ticket
 from butter.engine.scheduler import PendingWork, plan_step
+from butter.errors import ContextLengthExceeded
+from butter.kv import KvWindow
 from butter.sampling import SamplingParams
 
 # "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
@@ -104,6 +107,14 @@ class Session:
     kv_tokens: list[int] = attrs.field(factory=list)
     last_used: float = 0.0
     generation: Generation | None = None
+    # After a window slide, only this many leading cached positions are still exactly
+    # what a fresh prefill would compute (the rest attended to dropped tokens).
+    exact_prefix: int | None = None
+
+    @property
+    def reusable_cache(self) -> int:
+        n = len(self.kv_tokens)
+        return n if self.exact_prefix is None else min(n, self.exact_prefix)
 
 
 @attrs.frozen
@@ -138,9 +149,10 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class Engine:
     def __init__(
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
-        max_queue: int,
+        max_queue: int, window: KvWindow | None = None,
     ) -> None:
         self.backend = backend
+        self.window = window
         self.max_context = max_context
         self.prefill_chunk = prefill_chunk
         self.admission = Admission(slots=parallel, cells=backend.n_cells, max_queue=max_queue)
@@ -166,7 +178,14 @@ class Engine:
         """Admit (FIFO), run, and always release, whatever happens to the caller."""
         limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
         reserve = limit if max_tokens is not None else min(limit, RESERVATION_STEP)
-        ticket = await self.admission.acquire(len(prompt) + reserve)
+        cells = len(prompt) + reserve
+        if self.window is not None:
+            if len(prompt) >= self.window.size:
+                raise ContextLengthExceeded(
+                    f"the prompt has {len(prompt)} tokens but the KV window holds "
+                    f"{self.window.size} (--kv-window-size)", param="messages")
+            cells = min(cells, self.window.size)  # a sliding session never holds more
+        ticket = await self.admission.acquire(cells)
         generation = Generation(
             prompt=tuple(prompt), params=params, max_tokens=limit, ticket=ticket
         )
@@ -211,6 +230,7 @@ class Engine:
             while True:
                 self._detach_closed()
                 self._attach_joining()
+                self._slide_windows()
                 works = plan_step(self._pending_work(), self.prefill_chunk)
                 if not works and not self._ops:
                     await self._wakeup.wait()
@@ -231,6 +251,23 @@ class Engine:
             return
         self._steps += 1
         self._record(works, sampled)
+
+    def _slide_windows(self) -> None:
+        """Drop the oldest positions after the sinks of sessions about to overflow."""
+        window = self.window
+        if window is None:
+            return
+        for session in self._sessions:
+            generation = session.generation
+            if generation is None or generation.closed or not generation.decoding:
+                continue
+            drop = window.overflow(len(session.kv_tokens), len(generation.pending))
+            if drop:
+                keep = window.keep
+                self._ops.append(RemoveTokens(session.seq, keep, keep + drop))
+                self._ops.append(ShiftPositions(session.seq, keep + drop, -drop))
+                del session.kv_tokens[keep:keep + drop]
+                session.exact_prefix = min(keep, session.exact_prefix or keep)
 
     def _pending_work(self) -> list[PendingWork]:
         return [
@@ -269,6 +306,8 @@ class Engine:
 
     def _has_room_for_next(self, generation: Generation) -> bool:
         used = generation.prompt_tokens + generation.completion_tokens
+        if self.window is not None:
+            used = min(used, self.window.size)
         if used < generation.ticket.cells:
             return True
         step = min(RESERVATION_STEP, generation.max_tokens - generation.completion_tokens)
@@ -332,7 +371,7 @@ class Engine:
         common = common_prefix_length(session.kv_tokens, prompt)
         if self.backend.info.is_recurrent and common < len(session.kv_tokens):
             return 0  # recurrent state cannot rewind: only a strict prefix is reusable
-        return min(common, len(prompt) - 1)
+        return min(common, len(prompt) - 1, session.reusable_cache)
 
     def _lease(self, session: Session, generation: Generation) -> None:
         keep = self._reusable(session, generation.prompt)
@@ -345,6 +384,7 @@ class Engine:
         elif keep < len(session.kv_tokens):
             self._ops.append(RemoveTokens(session.seq, keep if keep else -1, -1))
             del session.kv_tokens[keep:]
+        session.exact_prefix = None  # what is left is exact again
         self._ops.append(SetSampler(session.seq, generation.params))
         generation.cached_tokens = keep
         generation.pending = generation.prompt[keep:]
@@ -361,7 +401,8 @@ class Engine:
         for other in self._sessions:
             if other is session:
                 continue
-            length = min(common_prefix_length(other.kv_tokens, prompt), len(prompt) - 1)
+            length = min(common_prefix_length(other.kv_tokens, prompt), len(prompt) - 1,
+                         other.reusable_cache)
             if length > best_length:
                 best, best_length = other, length
         return best, best_length

@@ -12,6 +12,8 @@ import trio
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
+from butter.errors import ModelLoadError
+from butter.kv import kv_window, parse_kv_cache
 from butter.models import resolve_model
 from butter.settings import DEFAULT_CELLS_PER_EXTRA_SESSION, DEFAULT_MAX_CONTEXT_CAP, ServeSettings
 
@@ -45,10 +47,14 @@ class ResidentModel:
         self.template = template
         self.template_defaults = settings.template_defaults()
         self.max_context = min(geometry.max_context, backend.n_cells)
+        self.window = kv_window(settings.kv_window_size, settings.kv_window_keep)
         self.engine = Engine(
             backend, parallel=settings.parallel, max_context=self.max_context,
             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
+            window=self.window,
         )
+        self.kv_requested = settings.kv_cache
+        self.aura_decode_path = settings.aura_decode_path
 
     @classmethod
     def load_sync(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
@@ -62,12 +68,18 @@ class ResidentModel:
             geometry_holder.append(kv_geometry(n_ctx_train, settings))
             return geometry_holder[0].pool_cells
 
+        kv_type = parse_kv_cache(settings.kv_cache)
         backend = LlamaCppBackend(
             Path(path), n_cells=size_pool, n_seq=settings.parallel,
             n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
+            kv_type=kv_type,
         )
         try:
             info = backend.info
+            if settings.kv_window_size is not None and not backend.can_shift:
+                raise ModelLoadError(
+                    f"--kv-window-size needs a KV cache that can shift positions, and "
+                    f"{info.architecture} ({info.description}) cannot")
             choice = choose_template(settings.chat_template, info.embedded_chat_template,
                                      info.architecture)
             template = ChatTemplate(choice, bos_token=info.bos_text, eos_token=info.eos_text)
@@ -102,6 +114,21 @@ class ResidentModel:
             "chat_template": self.template.origin,
             "kv_cells": self.backend.n_cells,
             "parallel": self.backend.n_seq,
+            "kv": self.kv_info(),
+        }
+
+    def kv_info(self) -> dict[str, Any]:
+        per_token = self.backend.kv_bytes_per_token
+        return {
+            "cache": self.kv_requested,
+            "type": self.backend.kv_type.name,
+            "bytes_per_token": round(per_token, 1),
+            "pool_cells": self.backend.n_cells,
+            "pool_mib": round(per_token * self.backend.n_cells / 2**20, 1),
+            "max_context": self.max_context,
+            "window_size": self.window.size if self.window else None,
+            "window_keep": self.window.keep if self.window else None,
+            "aura_decode_path": self.aura_decode_path,
         }
 
     def close(self) -> None:
