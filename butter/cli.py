@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "
                             "0 = every token (default %(default)s)")
+    serve.add_argument("--api-key", default=os.environ.get(defaults.API_KEY_ENV),
+                       help=f"require this key on every route but /health (Authorization: "
+                            f"Bearer KEY or x-api-key: KEY); default: ${defaults.API_KEY_ENV}")
+    serve.add_argument("--max-body-bytes", type=_positive, default=defaults.DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413 (default %(default)s)")
+    serve.add_argument("--max-messages", type=_positive, default=defaults.DEFAULT_MAX_MESSAGES,
+                       help="messages allowed in one request (default %(default)s)")
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
@@ -101,7 +108,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         threads=args.threads, shutdown_grace=args.shutdown_grace,
-        stream_flush=max(0.0, args.stream_flush_ms / 1000),
+        stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
+        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
         models_dir=args.models_dir, allow_swap=args.allow_swap, kv_cache=args.kv_cache,
         aura_decode_path=args.aura_decode_path, kv_window_size=args.kv_window_size,
@@ -109,7 +117,13 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     )
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def _log_kv_notes(settings: ServeSettings) -> None:
+    if settings.api_key is None and settings.host not in LOOPBACK_HOSTS:
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it",
+                    settings.host)
     kv_type = parse_kv_cache(settings.kv_cache)
     if kv_type.note:
         log.warning(kv_type.note)
@@ -133,7 +147,8 @@ async def serve_command(settings: ServeSettings) -> None:
     server = ServeServer(
         host=settings.host, port=settings.port, backend=backend,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
-        stream_flush=settings.stream_flush,
+        stream_flush=settings.stream_flush, max_messages=settings.max_messages,
+        api_key=settings.api_key,
     )
     try:
         async with trio.open_nursery() as nursery:

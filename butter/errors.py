@@ -51,6 +51,13 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class Unauthorized(ButterError):
+    status = 401
+    openai_type = "invalid_request_error"
+    anthropic_type = "authentication_error"
+    code = "invalid_api_key"
+
+
 class ModelNotFound(ButterError):
     status = 404
     openai_type = "invalid_request_error"

@@ -23,6 +23,12 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # After a stream's first content, SSE frames are written at most this often (seconds):
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
 DEFAULT_STREAM_FLUSH_SECONDS = 0.1
+DEFAULT_MAX_MESSAGES = 2048
+# Request headers beyond this many bytes are refused by hypercorn (h11) with a 4xx.
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+# An idle keep-alive connection is closed after this long.
+DEFAULT_KEEP_ALIVE_SECONDS = 5.0
+API_KEY_ENV = "BUTTER_API_KEY"
 RETRY_AFTER_SECONDS = 1
 # On SIGINT/SIGTERM, active requests get this long to finish before they are cancelled.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
@@ -52,6 +58,8 @@ class ServeSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     threads: int = attrs.field(factory=usable_cores)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    api_key: str | None = None
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     kv_cache: str = "raw"

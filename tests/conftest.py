@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,9 +57,16 @@ class ServerProcess:
             self.output.append(line)
             match = BANNER_URL.search(line)
             if match:
+                # Keep reading, or the server blocks once its log fills the pipe.
+                threading.Thread(target=self._drain, daemon=True).start()
                 return match.group(1)
         self.stop()
         raise RuntimeError("butter serve did not start:\n" + "".join(self.output))
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line)
 
     @property
     def api(self) -> str:

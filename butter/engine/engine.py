@@ -37,6 +37,9 @@ from butter.sampling import SamplingParams
 # "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
 FinishReason = Literal["stop", "length", "error", "aborted"]
 
+# Upper bounds (seconds) of the step-time histogram exported on /metrics.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
 # A request that does not name max_tokens reserves its completion in steps of this
 # many cells, growing while the pool has room, instead of the whole context at once.
 RESERVATION_STEP = 1024
@@ -162,6 +165,8 @@ class Engine:
         self._wakeup = trio.Event()
         self._limiter = trio.CapacityLimiter(1)  # the guarded worker thread
         self._steps = 0
+        self._step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last bucket is +Inf
+        self._step_seconds = 0.0
         self._totals = dict.fromkeys(
             ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens"), 0
         )
@@ -242,6 +247,7 @@ class Engine:
 
     async def _step(self, works: list[SeqWork]) -> None:
         ops, self._ops = self._ops, []
+        started = time.perf_counter()
         try:
             sampled = await trio.to_thread.run_sync(
                 self.backend.step, ops, works, limiter=self._limiter
@@ -249,7 +255,7 @@ class Engine:
         except BackendError as exc:
             self._fail_step(works, str(exc))
             return
-        self._steps += 1
+        self._observe_step(time.perf_counter() - started)
         self._record(works, sampled)
 
     def _slide_windows(self) -> None:
@@ -268,6 +274,22 @@ class Engine:
                 self._ops.append(ShiftPositions(session.seq, keep + drop, -drop))
                 del session.kv_tokens[keep:keep + drop]
                 session.exact_prefix = min(keep, session.exact_prefix or keep)
+
+    def _observe_step(self, seconds: float) -> None:
+        self._steps += 1
+        self._step_seconds += seconds
+        index = next((i for i, bound in enumerate(STEP_BUCKETS) if seconds <= bound),
+                     len(STEP_BUCKETS))
+        self._step_counts[index] += 1
+
+    def step_histogram(self) -> tuple[list[tuple[str, int]], float]:
+        """Cumulative (upper bound, count) buckets and the sum, Prometheus-style."""
+        buckets, running = [], 0
+        for bound, count in zip([*map(str, STEP_BUCKETS), "+Inf"], self._step_counts,
+                                strict=True):
+            running += count
+            buckets.append((bound, running))
+        return buckets, self._step_seconds
 
     def _pending_work(self) -> list[PendingWork]:
         return [

@@ -12,6 +12,8 @@ from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
 from butter.sampling import MAX_SEED, SamplingParams
 
+# Larger than any vocabulary; keeps the value inside llama.cpp's int32.
+MAX_TOP_K = 1 << 20
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -145,8 +147,8 @@ def _validate(request: ChatCompletionRequest) -> None:
     _check_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
     _check_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     _check_range(request.repeat_penalty, "repeat_penalty", 0.0, 10.0)
-    if request.top_k is not None and request.top_k < 0:
-        raise InvalidRequest("top_k must be >= 0", param="top_k")
+    if request.top_k is not None and not 0 <= request.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be between 0 and {MAX_TOP_K}", param="top_k")
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}", param="seed")
     max_tokens = request.requested_max_tokens

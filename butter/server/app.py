@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hmac
 import json
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -11,18 +15,41 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from butter import __version__
-from butter.errors import ButterError, InvalidRequest, ModelNotFound, Overloaded, RequestTooLarge
+from butter.engine.engine import Engine, Generation
+from butter.errors import (
+    ButterError,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    RequestTooLarge,
+    Unauthorized,
+)
 from butter.protocol import anthropic, openai
 from butter.server import chat_completions, messages
 from butter.server.backends import ServeBackend
+from butter.server.metrics import Metrics
 from butter.server.resident import ResidentModel
+from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
+
+log = logging.getLogger("butter")
+request_log = logging.getLogger("butter.requests")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(
-    backend: ServeBackend, *, max_body_bytes: int, stream_flush: float = 0.0
-) -> QuartTrio:
+@attrs.frozen
+class HttpLimits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    stream_flush: float = 0.0
+    api_key: str | None = None
+
+
+def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> QuartTrio:
+    limits = limits or HttpLimits()
+    max_body_bytes = limits.max_body_bytes
+    stream_flush = limits.stream_flush
+    metrics = Metrics(lambda: _engine_of(backend), lambda: backend.swaps)
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
@@ -42,6 +69,35 @@ def create_app(
     async def handle_butter_error(error: ButterError) -> Response:
         return error_response(error)
 
+    @app.errorhandler(Exception)
+    async def handle_unexpected(error: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(ButterError(f"internal error: {type(error).__name__}"))
+
+    @app.before_request
+    async def check_api_key() -> None:
+        if limits.api_key is None or request.path == "/health":
+            return
+        bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        given = bearer or request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), limits.api_key.encode()):
+            raise Unauthorized("a valid API key is required (Authorization: Bearer <key> or "
+                               "x-api-key: <key>)")
+
+    @app.after_request
+    async def count_request(response: Response) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        metrics.requests.labels(route=rule, status=str(response.status_code)).inc()
+        return response
+
+    def observer(route: str) -> chat_completions.RequestObserver:
+        return chat_completions.RequestObserver(route=route, on_finish=_finish(metrics))
+
+    def check_messages(count: int) -> None:
+        if count > limits.max_messages:
+            raise InvalidRequest(f"{count} messages exceed the limit of {limits.max_messages}",
+                                 param="messages")
+
     @app.errorhandler(HTTPException)
     async def handle_http_error(error: HTTPException) -> Response:
         status = error.code or 500
@@ -58,6 +114,10 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         return Response("ok", mimetype="text/plain")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), mimetype="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def list_models() -> Response:
@@ -77,26 +137,32 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
         chat_request = openai.parse_chat_request(await _json_body())
+        check_messages(len(chat_request.messages))
         resident = await backend.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
+        watch = observer("/v1/chat/completions")
         if not chat_request.stream:
-            return _json(await chat_completions.complete(resident, prepared))
+            return _json(await chat_completions.complete(resident, prepared, watch))
         resident.engine.admission.check_queue_room()
         return Response(
-            chat_completions.stream(resident, prepared, flush_interval=stream_flush),
+            chat_completions.stream(resident, prepared, flush_interval=stream_flush,
+                                    observer=watch),
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 
     @app.post("/v1/messages")
     async def create_message() -> Response:
         messages_request = anthropic.parse_messages_request(await _json_body())
+        check_messages(len(messages_request.messages))
         chat_request = anthropic.to_chat_request(messages_request)
         resident = await backend.resident_for(chat_request.model)
         prepared = chat_completions.prepare(resident, chat_request)
+        watch = observer("/v1/messages")
         if not messages_request.stream:
-            return _json(await messages.create(resident, prepared))
+            return _json(await messages.create(resident, prepared, watch))
         resident.engine.admission.check_queue_room()
-        return Response(messages.stream(resident, prepared, flush_interval=stream_flush),
+        return Response(messages.stream(resident, prepared, flush_interval=stream_flush,
+                                        observer=watch),
                         mimetype="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/messages/count_tokens")
@@ -110,6 +176,37 @@ def create_app(
         return _json({"input_tokens": len(prepared.prompt)})
 
     return app
+
+
+def _engine_of(backend: ServeBackend) -> Engine | None:
+    try:
+        return backend.current.engine
+    except RuntimeError:  # between a swap's unload and load
+        return None
+
+
+def _finish(
+    metrics: Metrics,
+) -> Callable[[chat_completions.RequestObserver, Generation | None, bool], None]:
+    def finish(watch: chat_completions.RequestObserver, generation: Generation | None,
+               cancelled: bool) -> None:
+        if cancelled:
+            metrics.cancellations.inc()
+        if watch.ttft is not None:
+            metrics.ttft.observe(watch.ttft)
+        duration = time.perf_counter() - watch.started
+        ttft = "-" if watch.ttft is None else f"{watch.ttft:.3f}"
+        if generation is None:
+            request_log.info("%s admission_failed duration=%.3f cancelled=%s", watch.route,
+                             duration, cancelled)
+            return
+        request_log.info(
+            "%s finish=%s prompt=%d cached=%d completion=%d ttft=%s duration=%.3f "
+            "cancelled=%s", watch.route, generation.finish_reason, generation.prompt_tokens,
+            generation.cached_tokens, generation.completion_tokens, ttft, duration, cancelled,
+        )
+
+    return finish
 
 
 def _check_model(resident: ResidentModel, model: str | None) -> None:

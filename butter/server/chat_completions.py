@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
+import trio
 
 from butter.chat import grammar as grammars
 from butter.chat.detokenize import IncrementalDetokenizer
@@ -136,7 +138,8 @@ class OutputAssembler:
 
 
 async def generated_events(
-    generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None
+    generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None,
+    observer: RequestObserver | None = None,
 ) -> AsyncIterator[Event | None]:
     """Parsed output events; None for a heartbeat (no output for `heartbeat` seconds)."""
     async for pieces in generation.pieces(heartbeat=heartbeat):
@@ -144,6 +147,8 @@ async def generated_events(
             yield None
             continue
         for event in assembler.feed(pieces):
+            if observer is not None:
+                observer.output()
             yield event
         if assembler.stopped:
             generation.close()  # the engine drops it before the next step
@@ -152,9 +157,31 @@ async def generated_events(
         yield event
 
 
+@attrs.define
+class RequestObserver:
+    """Timing of one request for metrics and its log line (the HTTP layer makes one)."""
+
+    route: str
+    on_finish: Callable[[RequestObserver, Generation | None, bool], None]
+    started: float = attrs.field(factory=time.perf_counter)
+    first_output: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_output is None else self.first_output - self.started
+
+    def output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.perf_counter()
+
+
 @asynccontextmanager
-async def running(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[Generation]:
+async def running(
+    resident: ResidentModel, chat: PreparedChat, observer: RequestObserver | None = None
+) -> AsyncIterator[Generation]:
     """The request's generation on the resident engine, admitted and always released."""
+    generation: Generation | None = None
+    cancelled = False
     try:
         async with resident.engine.generate(
             chat.prompt, chat.params, chat.request.requested_max_tokens
@@ -162,6 +189,12 @@ async def running(resident: ResidentModel, chat: PreparedChat) -> AsyncIterator[
             yield generation
     except EngineStopped as exc:
         raise ModelReplaced(str(exc)) from None
+    except trio.Cancelled:
+        cancelled = True
+        raise
+    finally:
+        if observer is not None:
+            observer.on_finish(observer, generation, cancelled)
 
 
 def finish_reason(generation: Generation, assembler: OutputAssembler) -> openai.FinishReason:
@@ -189,13 +222,15 @@ def _tool_call_body(call: ToolCall) -> dict[str, Any]:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-async def complete(resident: ResidentModel, chat: PreparedChat) -> dict[str, Any]:
+async def complete(
+    resident: ResidentModel, chat: PreparedChat, observer: RequestObserver | None = None
+) -> dict[str, Any]:
     assembler = OutputAssembler(chat)
     content: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    async with running(resident, chat) as generation:
-        async for event in generated_events(generation, assembler):
+    async with running(resident, chat, observer) as generation:
+        async for event in generated_events(generation, assembler, observer=observer):
             if isinstance(event, ContentDelta):
                 content.append(event.text)
             elif isinstance(event, ReasoningDelta):
@@ -224,7 +259,8 @@ def _deltas(event: Event) -> list[dict[str, Any]]:
 
 
 async def stream(
-    resident: ResidentModel, chat: PreparedChat, *, flush_interval: float = 0.0
+    resident: ResidentModel, chat: PreparedChat, *, flush_interval: float = 0.0,
+    observer: RequestObserver | None = None,
 ) -> AsyncIterator[bytes]:
     assembler = OutputAssembler(chat)
     frames = FrameCoalescer(flush_interval)
@@ -236,9 +272,9 @@ async def stream(
         ))
 
     try:
-        async with running(resident, chat) as generation:
+        async with running(resident, chat, observer) as generation:
             yield chunk({"role": "assistant", "content": ""})
-            async for event in generated_events(generation, assembler):
+            async for event in generated_events(generation, assembler, observer=observer):
                 if event is None:
                     continue
                 ready = frames.add(b"".join(chunk(delta) for delta in _deltas(event)))

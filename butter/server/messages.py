@@ -23,11 +23,14 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex[:24]}"
 
 
-async def create(resident: ResidentModel, prepared: chat.PreparedChat) -> dict[str, Any]:
+async def create(
+    resident: ResidentModel, prepared: chat.PreparedChat,
+    observer: chat.RequestObserver | None = None,
+) -> dict[str, Any]:
     assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
     blocks = _BlockCollector()
-    async with chat.running(resident, prepared) as generation:
-        async for event in chat.generated_events(generation, assembler):
+    async with chat.running(resident, prepared, observer) as generation:
+        async for event in chat.generated_events(generation, assembler, observer=observer):
             if event is not None:
                 blocks.add(event)
     finish = chat.finish_reason(generation, assembler)
@@ -108,14 +111,15 @@ class _StreamBlocks:
 
 
 async def stream(
-    resident: ResidentModel, prepared: chat.PreparedChat, *, flush_interval: float = 0.0
+    resident: ResidentModel, prepared: chat.PreparedChat, *, flush_interval: float = 0.0,
+    observer: chat.RequestObserver | None = None,
 ) -> AsyncIterator[bytes]:
     assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
     frames = FrameCoalescer(flush_interval)
     blocks = _StreamBlocks()
     message_id = new_message_id()
     try:
-        async with chat.running(resident, prepared) as generation:
+        async with chat.running(resident, prepared, observer) as generation:
             await generation.attached.wait()  # the cached prefix is known from here on
             start = anthropic.message_body(
                 message_id=message_id, model=resident.model_id, content=[], stop=None,
@@ -123,7 +127,7 @@ async def stream(
             )
             yield named_event("message_start", {"type": "message_start", "message": start})
             async for event in chat.generated_events(
-                generation, assembler, heartbeat=PING_INTERVAL_SECONDS
+                generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
             ):
                 frame = named_event("ping", {"type": "ping"}) if event is None else b"".join(
                     blocks.on(event))

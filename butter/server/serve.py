@@ -16,10 +16,13 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from butter.server.app import create_app
+from butter.server.app import HttpLimits, create_app
 from butter.server.backends import ServeBackend
 from butter.settings import (
+    DEFAULT_KEEP_ALIVE_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_MESSAGES,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     DEFAULT_STREAM_FLUSH_SECONDS,
 )
@@ -41,8 +44,10 @@ class ServeServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
+        max_messages: int = DEFAULT_MAX_MESSAGES, api_key: str | None = None,
     ) -> None:
-        self.stream_flush = stream_flush
+        self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
+                                 stream_flush=stream_flush, api_key=api_key)
         self.host = host
         self.port = port
         self.backend = backend
@@ -55,6 +60,8 @@ class ServeServer:
         config.bind = [f"[{self.host}]:{self.port}" if ":" in self.host else
                        f"{self.host}:{self.port}"]
         config.graceful_timeout = self.shutdown_grace
+        config.keep_alive_timeout = DEFAULT_KEEP_ALIVE_SECONDS
+        config.h11_max_incomplete_size = DEFAULT_MAX_HEADER_BYTES
         config.accesslog = None
         config.errorlog = log
         return config
@@ -70,8 +77,7 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = create_app(self.backend, max_body_bytes=self.max_body_bytes,
-                         stream_flush=self.stream_flush)
+        app = create_app(self.backend, self.limits)
         await self.backend.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(self._serve_http, app)

@@ -1,0 +1,72 @@
+"""Prometheus metrics (`GET /metrics`) and the one-line-per-request log.
+
+Route-level events (requests, time to first token, cancellations) are counted here as
+they happen; engine state (active sessions, queue depth, token totals, step times) is
+read from the resident engine at scrape time, so the engine stays free of HTTP concerns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from butter.engine.engine import Engine
+
+log = logging.getLogger("butter.requests")
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, engine: Callable[[], Engine | None], swaps: Callable[[], int]) -> None:
+        self._engine = engine
+        self._swaps = swaps
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]:
+        yield CounterMetricFamily("butter_swaps", "Model swaps", value=self._swaps())
+        engine = self._engine()
+        if engine is None:
+            return
+        stats = engine.stats()
+        gauges = {
+            "butter_active_sessions": ("Requests generating now", stats.active),
+            "butter_queue_depth": ("Requests waiting for admission", stats.queued),
+            "butter_kv_reserved_cells": ("KV cells reserved by live requests",
+                                         stats.reserved_cells),
+            "butter_kv_cached_cells": ("KV cells held by idle sessions' caches",
+                                       stats.idle_cached_cells),
+        }
+        for name, (text, value) in gauges.items():
+            yield GaugeMetricFamily(name, text, value=value)
+        counters = {
+            "butter_prompt_tokens": ("Prompt tokens of finished requests", stats.prompt_tokens),
+            "butter_cached_tokens": ("Prompt tokens reused from the KV cache",
+                                     stats.cached_tokens),
+            "butter_completion_tokens": ("Generated tokens", stats.completion_tokens),
+            "butter_engine_steps": ("Engine steps (one llama_decode each)", stats.steps),
+        }
+        for name, (text, value) in counters.items():
+            yield CounterMetricFamily(name, text, value=value)
+        buckets, total = engine.step_histogram()
+        yield HistogramMetricFamily("butter_step_seconds", "Duration of one engine step",
+                                    buckets=buckets, sum_value=total)
+
+
+class Metrics:
+    def __init__(self, engine: Callable[[], Engine | None], swaps: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("butter_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.ttft = Histogram("butter_ttft_seconds", "Time to first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.cancellations = Counter("butter_cancellations",
+                                     "Requests cancelled by their client",
+                                     registry=self.registry)
+        self.registry.register(_EngineCollector(engine, swaps))
+
+    def render(self) -> bytes:
+        return bytes(generate_latest(self.registry))

@@ -1,0 +1,244 @@
+"""Bad input, auth, metrics, disconnect storms and shutdown under load, on real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import ServerProcess
+
+ROUTES = ("/v1/chat/completions", "/v1/messages")
+
+
+@pytest.fixture(scope="module")
+def small_server(tiny_gguf: Path) -> Iterator[ServerProcess]:
+    # A small context bounds how long any fuzzed request can generate.
+    server = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny", "--parallel", "4",
+                            "--max-context", "256", "--max-queue", "64"])
+    yield server
+    server.stop()
+
+
+def healthy(server: ServerProcess) -> bool:
+    return httpx.get(f"{server.base_url}/health", timeout=10).text == "ok"
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12,
+)
+FIELDS = ("messages", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+          "stream", "tools", "tool_choice", "response_format", "system", "n", "logprobs",
+          "stop_sequences", "thinking", "metadata", "max_completion_tokens")
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system",
+                                                          "tool", "robot"]),
+                                 "content": JSON_VALUES})
+BODIES = st.one_of(
+    JSON_VALUES,
+    st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6),
+    st.fixed_dictionaries(
+        {"messages": st.lists(MESSAGE, max_size=3)},
+        optional={name: JSON_VALUES for name in FIELDS if name != "messages"},
+    ),
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          derandomize=True)
+@given(body=BODIES, route=st.sampled_from(ROUTES))
+def test_fuzzed_json_never_gets_a_5xx(small_server: ServerProcess, body: object,
+                                      route: str) -> None:
+    if isinstance(body, dict) and "max_tokens" in body and body.get("stream") is True:
+        body["stream"] = False  # keep each example quick to read back
+    response = httpx.post(f"{small_server.base_url}{route}", json=body, timeout=60)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        payload = response.json()
+        if route == "/v1/messages":
+            assert payload["type"] == "error" and payload["error"]["message"]
+        else:
+            assert payload["error"]["message"] and payload["error"]["type"]
+
+
+def test_hostile_bodies_are_4xx(small_server: ServerProcess) -> None:
+    url = f"{small_server.api}/chat/completions"
+    cases = {
+        b"[" * 200_000: 400,  # deeper than any parser should go
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}': 400,
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": -5}': 400,
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e400}': 400,
+        b'{"messages": [{"role": "user", "content": "x"}], "top_k": 99999999999}': 400,
+        b"\x00\x01\x02binary": 400,
+        b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+        b'"function": {"name": "f", "parameters": {"type": "nonsense"}}}], '
+        b'"tool_choice": "required"}': 400,
+    }
+    for body, status in cases.items():
+        response = httpx.post(url, content=body, timeout=30)
+        assert response.status_code == status, (body[:80], response.text[:200])
+    too_big = httpx.post(url, content=b" " * (17 * 1024 * 1024), timeout=60)
+    assert too_big.status_code == 413
+    assert healthy(small_server)
+
+
+async def test_garbage_and_partial_requests_on_the_socket(small_server: ServerProcess) -> None:
+    host, port = small_server.base_url.removeprefix("http://").split(":")
+    for payload in (b"\x16\x03\x01\x00garbage-tls-hello\r\n\r\n",
+                    b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Long: " + b"a" * 100_000 + b"\r\n\r\n",
+                    b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"mess"):
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(payload)
+        with trio.move_on_after(2):  # an answer (4xx) or a close; partial bodies just wait
+            reply = await stream.receive_some(4096)
+            if reply:
+                status = int(reply.split(b" ")[1])
+                assert 400 <= status < 500, reply[:100]
+        await stream.aclose()
+    assert await trio.to_thread.run_sync(healthy, small_server)
+
+
+def test_api_key(tiny_gguf: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_gguf), "--api-key", "s3cret"])
+    try:
+        base = server.base_url
+        assert httpx.get(f"{base}/health").status_code == 200
+        missing = httpx.get(f"{base}/v1/models")
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        wrong = httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert httpx.get(f"{base}/v1/models",
+                         headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{base}/metrics", headers={"x-api-key": "s3cret"}).status_code == 200
+        anthropic_style = httpx.post(f"{base}/v1/messages", json={})
+        assert anthropic_style.status_code == 401
+        assert anthropic_style.json()["error"]["type"] == "authentication_error"
+    finally:
+        server.stop()
+
+
+def test_api_key_from_environment(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BUTTER_API_KEY", "from-env")
+    server = ServerProcess(["--model", str(tiny_gguf)])
+    try:
+        assert httpx.get(f"{server.api}/models").status_code == 401
+        assert httpx.get(f"{server.api}/models",
+                         headers={"x-api-key": "from-env"}).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_metrics(small_server: ServerProcess) -> None:
+    httpx.post(f"{small_server.api}/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "count me"}], "max_tokens": 4})
+    text = httpx.get(f"{small_server.base_url}/metrics").text
+    assert 'butter_requests_total{route="/v1/chat/completions",status="200"}' in text
+    for name in ("butter_completion_tokens_total", "butter_ttft_seconds_bucket",
+                 "butter_step_seconds_bucket", "butter_active_sessions", "butter_queue_depth",
+                 "butter_cancellations_total", "butter_swaps_total"):
+        assert name in text, name
+
+
+def _rss_mib(server: ServerProcess) -> float:
+    status = Path(f"/proc/{server.process.pid}/status").read_text()
+    kib = next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]
+    return int(kib) / 1024
+
+
+async def test_disconnect_storm_leaves_nothing_behind(small_server: ServerProcess) -> None:
+    host, port = small_server.base_url.removeprefix("http://").split(":")
+    rng = random.Random(7)
+    body = json.dumps({"messages": [{"role": "user", "content": "storm " * 40}],
+                       "max_tokens": 200, "stream": True}).encode()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+               f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+    before = _rss_mib(small_server)
+
+    async def client(index: int) -> None:
+        stream = await trio.open_tcp_stream(host, int(port))
+        cut = rng.choice(["headers", "body", "after-send", "mid-stream"])
+        try:
+            if cut == "headers":
+                await stream.send_all(request[: rng.randint(5, 60)])
+            elif cut == "body":
+                await stream.send_all(request[: len(request) - rng.randint(1, 50)])
+            else:
+                await stream.send_all(request)
+                if cut == "mid-stream":
+                    await stream.receive_some(rng.randint(10, 2000))
+            await trio.sleep(rng.uniform(0, 0.3))
+        finally:
+            await stream.aclose()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for index in range(50):
+                nursery.start_soon(client, index)
+                await trio.sleep(0.01)
+    async with httpx.AsyncClient(timeout=30) as http:
+        with trio.fail_after(30):
+            while True:
+                stats = (await http.get(f"{small_server.api}/server")).json()["engine"]
+                if stats["active"] == 0 and stats["queued"] == 0:
+                    break
+                await trio.sleep(0.05)
+        assert stats["reserved_cells"] == 0
+        ok = await http.post(f"{small_server.api}/chat/completions", json={
+            "messages": [{"role": "user", "content": "still fine?"}], "max_tokens": 4})
+        assert ok.status_code == 200
+    assert _rss_mib(small_server) - before < 64  # MiB: no per-connection leak to speak of
+
+
+def test_shutdown_under_load_loses_no_completed_response(tiny_gguf: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_gguf), "--parallel", "2", "--threads", "1",
+                            "--shutdown-grace", "20"])
+    results: list[tuple[int, bool]] = []
+
+    async def one(http: httpx.AsyncClient, index: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"req {index}"}],
+                "max_tokens": 1500, "stream": True}
+        lines = []
+        async with http.stream("POST", f"{server.api}/chat/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                lines.append(line)
+        results.append((r.status_code, "data: [DONE]" in lines))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as http, trio.open_nursery() as nursery:
+            for index in range(4):
+                nursery.start_soon(one, http, index)
+            await trio.sleep(0.3)
+            os.kill(server.process.pid, signal.SIGTERM)
+
+    trio.run(main)
+    assert server.process.wait(30) == 0
+    assert results == [(200, True)] * 4  # queued ones too: they finish within the grace
+
+
+def test_short_soak(tiny_gguf: Path, tmp_path: Path) -> None:
+    """The soak script's CI-sized run: 8 seconds of mixed traffic, no 5xx, nothing leaked."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent.parent / "benchmarks" / "soak.py"
+    out = tmp_path / "soak.json"
+    result = subprocess.run([sys.executable, str(script), "--model", str(tiny_gguf),
+                             "--seconds", "8", "--concurrency", "4", "--json", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["requests"] > 20
+    assert all(int(status) < 500 for status in report["statuses"])
