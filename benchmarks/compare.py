@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import math
 import os
 import platform
 import shlex
@@ -59,6 +58,8 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+from butter.bench.metrics import percentile  # the same arithmetic as butter serve-bench
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / ".build"
@@ -327,16 +328,6 @@ async def watch_contention(cfg: BenchConfig, pgid: int | None) -> CpuWindow:
 
 
 # ---------------------------------------------------------------- statistics
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def wave_wall(results: Sequence[RequestResult]) -> float:
