@@ -69,6 +69,8 @@ def _in_huggingface_cache(model_id: str, _: str | None) -> Path | None:
         ggufs = sorted(snapshot.rglob("*.gguf"))
         if ggufs:
             return ggufs[0]
+        if (snapshot / "config.json").is_file():  # an MLX / safetensors checkpoint
+            return snapshot
     return None
 
 

@@ -16,6 +16,9 @@ import pytest
 
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 
+# mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
+os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
+
 BANNER_URL = re.compile(r"base URL for OpenAI clients: (http://\S+)/v1")
 BOOT_TIMEOUT_S = 120.0
 
@@ -23,6 +26,13 @@ BOOT_TIMEOUT_S = 120.0
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("models") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from butter.testing.tiny_mlx import write_tiny_qwen3_mlx
+
+    return write_tiny_qwen3_mlx(tmp_path_factory.mktemp("mlx") / "tiny-qwen3-mlx")
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,7 @@ def test_sandbox_blocks_unsafe_attribute_access() -> None:
 
 
 def test_choice_order(tmp_path: Path) -> None:
-    assert choose_template(None, "{{ x }}", "gemma3").origin == "gguf"
+    assert choose_template(None, "{{ x }}", "gemma3").origin == "model"
     assert choose_template(None, None, "gemma3").origin == "builtin:gemma"
     assert choose_template(None, None, "qwen3").origin == "builtin:chatml"
     assert choose_template(None, None, "llama").origin == "builtin:llama3"

@@ -6,6 +6,7 @@ from typing import Protocol
 
 import attrs
 
+from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
 
 
@@ -88,8 +89,14 @@ class Backend(Protocol):
     n_cells: int
     n_seq: int
     can_shift: bool
+    kv_type: KvCacheType
+
+    @property
+    def kv_bytes_per_token(self) -> float: ...
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
+
+    def check_sampling(self, params: SamplingParams) -> None: ...
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]: ...
 

@@ -349,6 +349,11 @@ class LlamaCppBackend:
         ll.llama_sampler_apply(chain, ctypes.byref(array))
         return int(array.data[array.selected].id)
 
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Refuse (ValueError) what this backend cannot honour, before admission."""
+        if params.grammar is not None:
+            self.check_grammar(params.grammar)
+
     def check_grammar(self, grammar: str) -> None:
         """Raise ValueError if llama.cpp cannot parse this GBNF (before it reaches a step)."""
         self._check_open()

@@ -45,7 +45,7 @@ def builtin_for_architecture(architecture: str) -> str:
 @attrs.frozen
 class TemplateChoice:
     source: str
-    origin: str  # "gguf", "builtin:<name>", "file:<path>": shown at boot and in /v1/models
+    origin: str  # "model", "builtin:<name>", "file:<path>": shown at boot and in /v1/models
 
 
 def choose_template(
@@ -62,7 +62,7 @@ def choose_template(
             )
         return TemplateChoice(path.read_text("utf-8"), f"file:{path}")
     if embedded:
-        return TemplateChoice(embedded, "gguf")
+        return TemplateChoice(embedded, "model")  # the checkpoint's own template
     name = builtin_for_architecture(architecture)
     return TemplateChoice(builtin_template_source(name), f"builtin:{name}")
 

@@ -9,6 +9,7 @@ lease. Requests talk to the loop only through flags and their output buffer.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -35,6 +36,8 @@ from butter.kv import KvWindow
 from butter.sampling import SamplingParams
 
 # "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
+log = logging.getLogger("butter")
+
 FinishReason = Literal["stop", "length", "error", "aborted"]
 
 # Upper bounds (seconds) of the step-time histogram exported on /metrics.
@@ -254,6 +257,10 @@ class Engine:
             )
         except BackendError as exc:
             self._fail_step(works, str(exc))
+            return
+        except Exception as exc:  # a bug in a backend fails this step's requests, not all
+            log.exception("engine step failed")
+            self._fail_step(works, f"internal error in the engine step: {exc!r}")
             return
         self._observe_step(time.perf_counter() - started)
         self._record(works, sampled)

@@ -48,7 +48,12 @@ def gguf_precheck(models_dir: str | None) -> Callable[[str], None]:
     """The CLI's check: the id resolves to a readable file with the GGUF magic."""
 
     def check(model: str) -> None:
-        check_gguf_file(Path(resolve_model(model, models_dir)))
+        path = Path(resolve_model(model, models_dir))
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ModelLoadError(f"{path} is a folder without config.json")
+            return
+        check_gguf_file(path)
 
     return check
 

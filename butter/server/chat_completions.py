@@ -61,13 +61,11 @@ def prepare_tokens(
 ) -> PreparedChat:
     """A request whose prompt tokens are already known (raw completions, too)."""
     check_fits(len(prompt), request.requested_max_tokens, resident.max_context)
-    grammar = output_grammar(request)
-    if grammar is not None:
-        try:
-            resident.backend.check_grammar(grammar)
-        except ValueError as exc:
-            raise InvalidRequest(f"cannot constrain the output: {exc}") from None
-    params = attrs.evolve(openai.sampling_params(request), grammar=grammar)
+    params = attrs.evolve(openai.sampling_params(request), grammar=output_grammar(request))
+    try:
+        resident.backend.check_sampling(params)
+    except ValueError as exc:
+        raise InvalidRequest(f"cannot serve this request: {exc}") from None
     return PreparedChat(
         request=request, prompt=prompt, params=params, starts_in_reasoning=starts_in_reasoning,
         completion_id=f"chatcmpl-{uuid.uuid4().hex}", created=openai.now(),

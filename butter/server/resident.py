@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
+from butter.backends.base import Backend
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
@@ -35,9 +38,33 @@ def kv_geometry(n_ctx_train: int, settings: ServeSettings) -> KvGeometry:
     return KvGeometry(max_context=max_context, pool_cells=max(pool, max_context))
 
 
+def is_mlx_checkpoint(path: Path) -> bool:
+    """A HuggingFace / MLX model directory (config.json + safetensors), not a GGUF."""
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int], int]
+                  ) -> Backend:
+    kv_type = parse_kv_cache(settings.kv_cache)
+    if is_mlx_checkpoint(path):
+        from butter.backends.mlx import MlxBackend
+
+        if kv_type.quantized:
+            log.warning("--kv-cache %s: quantized KV caches are not wired for MLX yet; "
+                        "using raw", settings.kv_cache)
+        trained = json.loads((path / "config.json").read_text()).get(
+            "max_position_embeddings") or 0
+        return MlxBackend(path, n_cells=size_pool(int(trained)), n_seq=settings.parallel)
+    return LlamaCppBackend(
+        path, n_cells=size_pool, n_seq=settings.parallel,
+        n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
+        kv_type=kv_type,
+    )
+
+
 class ResidentModel:
     def __init__(
-        self, model_id: str, backend: LlamaCppBackend, template: ChatTemplate,
+        self, model_id: str, backend: Backend, template: ChatTemplate,
         geometry: KvGeometry, settings: ServeSettings,
     ) -> None:
         self.model_id = model_id
@@ -68,12 +95,7 @@ class ResidentModel:
             geometry_holder.append(kv_geometry(n_ctx_train, settings))
             return geometry_holder[0].pool_cells
 
-        kv_type = parse_kv_cache(settings.kv_cache)
-        backend = LlamaCppBackend(
-            Path(path), n_cells=size_pool, n_seq=settings.parallel,
-            n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
-            kv_type=kv_type,
-        )
+        backend = _load_backend(Path(path), settings, size_pool)
         try:
             info = backend.info
             if settings.kv_window_size is not None and not backend.can_shift:

@@ -1,0 +1,65 @@
+"""A tiny random-weight Qwen3 model in MLX / HuggingFace layout, for MLX backend tests.
+
+config.json + model.safetensors (saved by mlx from `mlx_lm.models.qwen3.Model`'s own
+parameters) + the same byte-level BPE tokenizer as the tiny GGUF, with ChatML specials and
+a tools-aware chat template in tokenizer_config.json. Builds in milliseconds; needs the
+`mlx` extra.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from butter.testing.tiny_gguf import (
+    CHAT_TEMPLATE,
+    HEAD_DIM,
+    N_EMBD,
+    N_FF,
+    N_HEAD,
+    N_HEAD_KV,
+    N_LAYER,
+    RMS_EPS,
+    ROPE_THETA,
+    build_tiny_tokenizer,
+    tiny_vocab,
+)
+
+
+def tiny_config(n_ctx_train: int = 4096) -> dict[str, object]:
+    return {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"],
+        "hidden_size": N_EMBD, "num_hidden_layers": N_LAYER, "intermediate_size": N_FF,
+        "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "head_dim": HEAD_DIM,
+        "rms_norm_eps": RMS_EPS, "vocab_size": len(tiny_vocab()), "rope_theta": ROPE_THETA,
+        "max_position_embeddings": n_ctx_train, "tie_word_embeddings": False,
+    }
+
+
+def write_tiny_qwen3_mlx(path: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
+    """Write the model directory and return it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.qwen3 import Model, ModelArgs
+
+    target = pathlib.Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    config = tiny_config()
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    build_tiny_tokenizer().save(str(target / "tokenizer.json"))
+    (target / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "add_bos_token": False, "model_max_length": config["max_position_embeddings"],
+    }, indent=1))
+    (target / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tiny_special("<|im_end|>"), tiny_special("<|endoftext|>")]}))
+    return target
+
+
+def tiny_special(token: str) -> int:
+    return tiny_vocab().index(token)
