@@ -67,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"Bearer KEY or x-api-key: KEY); default: ${defaults.API_KEY_ENV}")
     serve.add_argument("--max-body-bytes", type=_positive, default=defaults.DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413 (default %(default)s)")
+    serve.add_argument("--body-timeout", type=float,
+                       default=defaults.DEFAULT_BODY_TIMEOUT_SECONDS,
+                       help="seconds a request body may take to arrive; then 408 "
+                            "(default %(default)s)")
     serve.add_argument("--max-messages", type=_positive, default=defaults.DEFAULT_MAX_MESSAGES,
                        help="messages allowed in one request (default %(default)s)")
     serve.add_argument("--shutdown-grace", type=float,
@@ -110,6 +114,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         threads=args.threads, shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
+        body_timeout=args.body_timeout,
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
         models_dir=args.models_dir, allow_swap=args.allow_swap, kv_cache=args.kv_cache,
         aura_decode_path=args.aura_decode_path, kv_window_size=args.kv_window_size,
@@ -148,7 +153,7 @@ async def serve_command(settings: ServeSettings) -> None:
         host=settings.host, port=settings.port, backend=backend,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         stream_flush=settings.stream_flush, max_messages=settings.max_messages,
-        api_key=settings.api_key,
+        api_key=settings.api_key, body_timeout=settings.body_timeout,
     )
     try:
         async with trio.open_nursery() as nursery:

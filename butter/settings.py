@@ -24,6 +24,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
 DEFAULT_STREAM_FLUSH_SECONDS = 0.1
 DEFAULT_MAX_MESSAGES = 2048
+# A request body that has not fully arrived after this long gets 408 (slow senders).
+DEFAULT_BODY_TIMEOUT_SECONDS = 60.0
 # Request headers beyond this many bytes are refused by hypercorn (h11) with a 4xx.
 DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 # An idle keep-alive connection is closed after this long.
@@ -59,6 +61,7 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     api_key: str | None = None
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS

@@ -51,3 +51,11 @@ def test_unreachable_server_is_a_clear_error() -> None:
     result = bench("--model", "x", "--base-url", "http://127.0.0.1:9/v1")
     assert result.returncode == 2
     assert "cannot reach" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_plot_is_written(tiny_server: ServerProcess, tmp_path: Path) -> None:
+    plot = tmp_path / "bench.png"
+    result = bench("--model", "tiny", "--base-url", tiny_server.api, "--concurrency", "1,2",
+                   "--waves", "1", "--max-tokens", "4", "--plot", str(plot))
+    assert result.returncode == 0, result.stderr
+    assert plot.read_bytes().startswith(b"\x89PNG")

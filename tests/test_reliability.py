@@ -242,3 +242,28 @@ def test_short_soak(tiny_gguf: Path, tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["requests"] > 20
     assert all(int(status) < 500 for status in report["statuses"])
+
+
+async def test_slow_senders_are_cut_off(tiny_gguf: Path) -> None:
+    """Slowloris: half-sent headers are closed after the keep-alive timeout (5 s); a body
+    that trickles in past --body-timeout gets 408 in the API's error shape."""
+    server = await trio.to_thread.run_sync(
+        lambda: ServerProcess(["--model", str(tiny_gguf), "--body-timeout", "1"]))
+    try:
+        host, port = server.base_url.removeprefix("http://").split(":")
+        headers_only = await trio.open_tcp_stream(host, int(port))
+        await headers_only.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        with trio.fail_after(15):
+            assert await headers_only.receive_some(1024) == b""  # closed by the server
+        slow_body = await trio.open_tcp_stream(host, int(port))
+        await slow_body.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: 500\r\n"
+                                 b"\r\n{\"messages\"")
+        with trio.fail_after(15):
+            reply = await slow_body.receive_some(4096)
+        assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+        assert b'"error"' in reply
+        await slow_body.aclose()
+        assert await trio.to_thread.run_sync(healthy, server)
+    finally:
+        await trio.to_thread.run_sync(server.stop)

@@ -29,7 +29,11 @@ from butter.server import chat_completions, messages
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
 from butter.server.resident import ResidentModel
-from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES
+from butter.settings import (
+    DEFAULT_BODY_TIMEOUT_SECONDS,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_MESSAGES,
+)
 
 log = logging.getLogger("butter")
 request_log = logging.getLogger("butter.requests")
@@ -41,6 +45,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 class HttpLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     stream_flush: float = 0.0
     api_key: str | None = None
 
@@ -53,7 +58,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = limits.body_timeout
 
     def is_anthropic() -> bool:
         return request.path.startswith("/v1/messages")

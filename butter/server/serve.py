@@ -19,6 +19,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from butter.server.app import HttpLimits, create_app
 from butter.server.backends import ServeBackend
 from butter.settings import (
+    DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_KEEP_ALIVE_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
@@ -45,9 +46,11 @@ class ServeServer:
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
         max_messages: int = DEFAULT_MAX_MESSAGES, api_key: str | None = None,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
     ) -> None:
         self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
-                                 stream_flush=stream_flush, api_key=api_key)
+                                 stream_flush=stream_flush, api_key=api_key,
+                                 body_timeout=body_timeout)
         self.host = host
         self.port = port
         self.backend = backend
