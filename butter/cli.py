@@ -33,7 +33,10 @@ def _positive(value: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="butter", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="butter",
+        description="An OpenAI- and Anthropic-compatible HTTP server for local LLMs.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI + Anthropic APIs)")
     serve.add_argument("--model", required=True,
