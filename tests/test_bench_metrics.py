@@ -80,3 +80,9 @@ def test_mixed_long_prompt_classes() -> None:
     assert report.long_ttft_p95 == pytest.approx(2.0)
     assert report.standard_ttft_p95 == pytest.approx(0.2)
     assert level_report(1, [[timeline(0, 0, 0.2, 1, 4)]]).long_ttft_p95 is None
+
+
+def test_requests_without_usage_are_counted() -> None:
+    t = timeline(0, 0, 0.1, 1, 7, usage_missing=True)
+    report = level_report(1, [[t, timeline(1, 0, 0.1, 1, 5)]])
+    assert report.usage_missing == 1 and report.completion_tokens == 12

@@ -77,6 +77,7 @@ def _apply_chunk(timeline: Timeline, chunk: dict[str, Any], now: float) -> None:
         content = delta.get("content") or ""
         if (content or delta.get("tool_calls")) and timeline.first_output is None:
             timeline.first_output = now
+        timeline.content_deltas += bool(content)
         timeline.text += content
     usage = chunk.get("usage")
     if isinstance(usage, dict):
@@ -131,6 +132,11 @@ async def run_request(
     except (httpx.HTTPError, trio.TooSlowError, ValueError) as exc:
         timeline.error = f"{type(exc).__name__}: {exc}"[:300]
     timeline.end = time.perf_counter()
+    if timeline.completion_tokens == 0 and timeline.content_deltas:
+        # Servers that ignore stream_options.include_usage: one delta per token is the
+        # usual streaming granularity; the report counts such requests.
+        timeline.completion_tokens = timeline.content_deltas
+        timeline.usage_missing = True
 
 
 async def run_wave(

@@ -26,6 +26,8 @@ class Timeline:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    content_deltas: int = 0
+    usage_missing: bool = False  # the server sent no usage: tokens counted as deltas
 
     @property
     def ok(self) -> bool:
@@ -98,6 +100,7 @@ class LevelReport:
     http_errors: int
     long_ttft_p95: float | None = None
     standard_ttft_p95: float | None = None
+    usage_missing: int = 0  # requests whose completion tokens are counted content deltas
 
 
 def _rate(amount: float, seconds: float) -> float:
@@ -134,4 +137,5 @@ def level_report(concurrency: int, waves: Sequence[Sequence[Timeline]]) -> Level
         http_errors=sum(1 for t in every if not t.ok),
         long_ttft_p95=class_p95(True) if mixed else None,
         standard_ttft_p95=class_p95(False) if mixed else None,
+        usage_missing=sum(1 for t in ok if t.usage_missing),
     )

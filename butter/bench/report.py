@@ -47,6 +47,10 @@ def table(reports: Sequence[LevelReport]) -> Table:
 
 def print_table(reports: Sequence[LevelReport], console: Console) -> None:
     console.print(table(reports))
+    missing = sum(r.usage_missing for r in reports)
+    if missing:
+        console.print(f"{missing} response(s) carried no usage: their completion tokens are "
+                      "counted content deltas (one per token on most servers).")
 
 
 def write_json(path: Path, reports: Sequence[LevelReport], command: Sequence[str],
