@@ -123,14 +123,20 @@ async def test_queued_clients_proceed_in_fifo_order(single_slot_server: ServerPr
     await wait_until_idle(single_slot_server)
 
 
+async def fill_the_queue(server: ServerProcess) -> list[trio.SocketStream]:
+    """One request holds the only slot; three more fill --max-queue 3."""
+    streams = [await open_raw_request(server, chat_body("hold", 3000, True))]
+    await trio.sleep(0.2)
+    for _ in range(3):
+        streams.append(await open_raw_request(server, chat_body("wait", 4, False)))
+    await trio.sleep(0.3)
+    return streams
+
+
 async def test_full_queue_answers_503_with_retry_after(
     single_slot_server: ServerProcess,
 ) -> None:
-    streams = [await open_raw_request(single_slot_server, chat_body("hold", 3000, True))]
-    await trio.sleep(0.2)
-    for _ in range(3):  # --max-queue 3
-        streams.append(await open_raw_request(single_slot_server, chat_body("wait", 4, False)))
-    await trio.sleep(0.3)
+    streams = await fill_the_queue(single_slot_server)
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(f"{single_slot_server.api}/chat/completions",
                                      content=chat_body("one too many", 4, False))
@@ -149,11 +155,7 @@ async def test_full_queue_answers_503_with_retry_after(
 async def test_full_queue_on_messages_is_529_overloaded(
     single_slot_server: ServerProcess,
 ) -> None:
-    streams = [await open_raw_request(single_slot_server, chat_body("hold", 3000, True))]
-    await trio.sleep(0.2)
-    for _ in range(3):
-        streams.append(await open_raw_request(single_slot_server, chat_body("wait", 4, False)))
-    await trio.sleep(0.3)
+    streams = await fill_the_queue(single_slot_server)
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(f"{single_slot_server.base_url}/v1/messages", json={
             "max_tokens": 4, "messages": [{"role": "user", "content": "one too many"}]})
