@@ -112,6 +112,7 @@ class LlamaCppBackend:
         self._batch = ll.llama_batch_init(n_batch, 0, 1)
         self._samplers: dict[int, Any] = {}
         self._grammars: dict[int, Any] = {}
+        self._vocab_ids = np.arange(self.info.n_vocab, dtype=np.int32)
         self._candidates = np.zeros(
             self.info.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)]
         )
@@ -220,12 +221,7 @@ class LlamaCppBackend:
         if length < 0:
             buffer = ctypes.create_string_buffer(-length)
             length = ll.llama_token_to_piece(self._vocab, token, buffer, len(buffer), 0, special)
-        return buffer.raw[:length]
-
-    def detokenize(self, tokens: list[int]) -> str:
-        return b"".join(self._piece(t, special=False) for t in tokens).decode(
-            "utf-8", errors="replace"
-        )
+        return ctypes.string_at(buffer, length)  # not .raw: that copies the whole buffer
 
     # ------------------------------------------------------------------ stepping
 
@@ -332,7 +328,7 @@ class LlamaCppBackend:
 
     def _fill_candidates(self, logits: Any) -> Any:
         candidates = self._candidates
-        candidates["id"] = np.arange(len(candidates), dtype=np.int32)
+        candidates["id"] = self._vocab_ids  # samplers reorder the array in place
         candidates["logit"] = logits
         candidates["p"] = 0.0
         return candidates

@@ -54,7 +54,6 @@ class ServeServer:
         self.host = host
         self.port = port
         self.backend = backend
-        self.max_body_bytes = max_body_bytes
         self.shutdown_grace = shutdown_grace
         self.shutdown_requested = trio.Event()
 
