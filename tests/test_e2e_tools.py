@@ -9,6 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.grammar import json_schema_grammar, tool_call_grammar
 from butter.errors import InvalidRequest
 from tests.conftest import ServerProcess
@@ -160,11 +161,17 @@ def test_bad_tool_requests_are_400(client: openai.OpenAI) -> None:
                                        tool_choice="required")
 
 
-def test_grammars_are_accepted_by_llama_cpp(tiny_server: ServerProcess) -> None:
-    del tiny_server  # only needs the package; the server proves llama.cpp is importable
-    assert tool_call_grammar([WEATHER]).startswith('root ::= "<tool_call>\\n" call')
-    assert "age" in json_schema_grammar({"type": "object", "properties": {"age": {
-        "type": "integer"}}})
+def test_grammars_are_accepted_by_llama_cpp(tiny_gguf: Path) -> None:
+    backend = LlamaCppBackend(tiny_gguf, n_cells=256, n_seq=1, n_batch=64, threads=1)
+    try:
+        backend.check_grammar(tool_call_grammar([WEATHER, TIME]))
+        backend.check_grammar(tool_call_grammar([WEATHER, TIME], "get_time"))
+        backend.check_grammar(json_schema_grammar(
+            {"type": "object", "properties": {"age": {"type": "integer"}}}))
+        with pytest.raises(ValueError, match="rejected"):
+            backend.check_grammar('root ::= "unclosed')
+    finally:
+        backend.close()
     with pytest.raises(InvalidRequest):
         tool_call_grammar([WEATHER], "missing")
 

@@ -132,3 +132,24 @@ def test_server_reports_kv_settings(tiny_gguf: Path) -> None:
         assert kv["bytes_per_token"] > 0 and kv["pool_mib"] > 0
     finally:
         server.stop()
+
+
+def test_cache_types_really_shrink_the_kv_state(tiny_gguf: Path) -> None:
+    """The KV bytes llama.cpp holds for the same tokens, per --kv-cache choice."""
+    import llama_cpp as ll
+
+    from butter.backends.base import SeqWork, SetSampler
+    from butter.backends.llama_cpp import LlamaCppBackend
+
+    sizes = {}
+    for kv_cache in ("raw", "affine8", "affine4"):
+        backend = LlamaCppBackend(tiny_gguf, n_cells=256, n_seq=1, n_batch=64, threads=1,
+                                  kv_type=parse_kv_cache(kv_cache))
+        try:
+            tokens = tuple(backend.tokenize("hello there, a few tokens of KV", add_bos=False))
+            backend.step([SetSampler(0, SamplingParams(temperature=0))],
+                         [SeqWork(0, tokens, 0, sample=True, prompt=True)])
+            sizes[kv_cache] = ll.llama_state_seq_get_size(backend._ctx, 0)  # what is stored
+        finally:
+            backend.close()
+    assert sizes["raw"] > sizes["affine8"] > sizes["affine4"]

@@ -104,7 +104,15 @@ async def test_resident_backend_swaps_via_http(tmp_path: Path) -> None:
 
 def test_sync_one_shot_helper(tiny_gguf: Path) -> None:
     text = butter.generate(str(tiny_gguf), "Once upon a time", max_tokens=6, temperature=0)
-    assert isinstance(text, str) and text
+
+    async def in_trio() -> str:
+        model = await butter.Model.load(str(tiny_gguf), parallel=1)
+        try:
+            return await model.generate("Once upon a time", max_tokens=6, temperature=0)
+        finally:
+            await model.aclose()
+
+    assert text and text == trio.run(in_trio)
 
 
 def test_the_example_runs(tiny_gguf: Path) -> None:
