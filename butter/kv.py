@@ -1,7 +1,8 @@
 """KV cache choices (pure): cache types, their cost, and the sliding window.
 
 `--kv-cache` names follow the seed's table: `raw` (f16), `affine8` / `affine4` (mapped to
-llama.cpp's q8_0 / q4_0 K and V caches, which need flash attention for a quantized V),
+llama.cpp's q8_0 / q4_0 K and V caches, which need flash attention for a quantized V, and
+to mlx-lm's 8- / 4-bit affine-quantized caches on MLX),
 and `aura` / `auraNvM` (AURA compression, which llama.cpp does not have: logged, raw used).
 """
 
@@ -26,10 +27,11 @@ class KvCacheType:
     requested: str  # what the operator asked for
     ggml_type: int  # what llama.cpp gets
     note: str | None = None  # why they differ, for the boot log
+    label: str | None = None  # a backend's own name for it (MLX's affine caches)
 
     @property
     def name(self) -> str:
-        return _TYPE_NAMES[self.ggml_type]
+        return self.label or _TYPE_NAMES[self.ggml_type]
 
     @property
     def quantized(self) -> bool:
@@ -50,7 +52,7 @@ def parse_kv_cache(value: str) -> KvCacheType:
     if _AURA.match(value):
         return KvCacheType(value, GGML_F16, note=(
             f"--kv-cache {value}: AURA KV compression is not available on the llama.cpp "
-            "backend; using raw (f16)"))
+            "or MLX backends; using raw (f16)"))
     raise ValueError(
         f"--kv-cache {value!r} is not one of: {', '.join(KV_CACHE_CHOICES)}"
     )

@@ -1,4 +1,5 @@
-"""The real engine on the tiny generated GGUF: batching, cancellation, prefix reuse."""
+"""The real engine on the tiny generated GGUF and MLX models: batching, cancellation, prefix
+reuse."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def resident(tiny_gguf: Path) -> Iterator[ResidentModel]:
-    settings = ServeSettings(model=str(tiny_gguf), parallel=4, max_context=1024,
+@pytest.fixture(scope="module", params=["gguf", "mlx"])
+def resident(request: pytest.FixtureRequest) -> Iterator[ResidentModel]:
+    # The same engine behaviour over both backends (the MLX one batches its decodes too).
+    path: Path = request.getfixturevalue(f"tiny_{request.param}")
+    settings = ServeSettings(model=str(path), parallel=4, max_context=1024,
                              prefill_chunk=64, threads=2)
     model = ResidentModel.load_sync(settings)
     yield model
@@ -195,3 +198,22 @@ async def test_cancelled_prefill_leaves_its_remaining_chunks_unrun(
     assert cached % 64 == 0
     assert evaluated_when_cancelled <= cached <= evaluated_when_cancelled + 64
     assert cached < len(long_prompt)
+
+
+async def test_penalties_keep_greedy_from_repeating(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    prompt = tokens(resident, "Repeat after me: la la la la")
+
+    async def greedy_pieces(**penalties: float) -> list[bytes]:
+        params = SamplingParams(temperature=0, **penalties)
+        async with engine.generate(prompt, params, 60) as generation:
+            return [piece async for batch in generation.pieces() for piece in batch]
+
+    plain = await greedy_pieces()
+    assert len(set(plain)) < len(plain)  # the tiny model repeats itself when left alone
+    # llama.cpp's semantics: presence subtracts once, frequency per occurrence, both over
+    # the generated tokens; this much makes any repeat lose to a fresh token.
+    penalized = await greedy_pieces(presence_penalty=50.0, frequency_penalty=50.0)
+    assert len(penalized) >= 20  # (a penalized stream may end early: EOS gets its turn)
+    assert len(set(penalized)) == len(penalized)

@@ -379,7 +379,7 @@ class LlamaCppBackend:
 
         if params.uses_penalties:
             add(ll.llama_sampler_init_penalties(
-                params.penalty_last_n, params.repeat_penalty,
+                self.info.n_vocab, params.penalty_last_n, params.repeat_penalty,
                 params.frequency_penalty, params.presence_penalty,
             ))
         if params.greedy:

@@ -2,16 +2,27 @@
 
 Same contract as the llama.cpp backend: the engine's plans in, sampled tokens out. Each
 session owns an mlx-lm prompt cache; prefix reuse trims it (`trim_prompt_cache`) and
-sharing copies a donor's cache state. Sessions run one forward pass each per step (mlx-lm's
-batched caches need equal-length left padding, which the engine's mixed steps do not give):
-concurrent requests are bounded independent sessions sharing one engine and admission.
+sharing copies a donor's cache state.
+
+Batching: the sessions that decode in a step share one forward pass. Their caches are
+merged into mlx-lm's batched caches (`BatchKVCache`, the structure its BatchGenerator
+decodes with: rows left-padded to a common length, masked), and stay merged while they keep
+decoding; a session leaves the batch (`extract`) when it stops decoding or the engine edits
+its cache. Prompt chunks run per session (their lengths and starting positions differ), and
+models whose caches mlx-lm cannot merge, or quantized caches, decode per session.
+
+`--kv-cache affine8|affine4` use mlx-lm's `QuantizedKVCache` (affine quantization, 8 or 4
+bits) for every layer whose cache is a plain KV cache.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
+
+import attrs
 
 from butter.backends.base import (
     BackendError,
@@ -24,7 +35,7 @@ from butter.backends.base import (
     ShiftPositions,
 )
 from butter.errors import ModelLoadError
-from butter.kv import KvCacheType, parse_kv_cache
+from butter.kv import GGML_Q4_0, GGML_Q8_0, KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
 
 
@@ -45,31 +56,69 @@ def _bytes_to_unicode() -> dict[int, str]:
 _UNICODE_TO_BYTE = {char: byte for byte, char in _bytes_to_unicode().items()}
 
 
+@attrs.define
+class _DecodeBatch:
+    """Decoding sessions whose caches are merged into mlx-lm's batched caches, row i = seqs[i]."""
+
+    seqs: list[int]
+    cache: list[Any]
+
+
+@attrs.define
+class _Sampler:
+    """A request's sampling state: its parameters, its random key, the tokens it generated
+    (as many as its penalties look back on)."""
+
+    params: SamplingParams
+    key: Any
+    recent: deque[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        last_n = self.params.penalty_last_n
+        self.recent = deque(maxlen=None if last_n < 0 else last_n)
+
+
+def _quantized_kv(kv_type: KvCacheType) -> int | None:
+    """Bits of mlx-lm's affine-quantized KV cache for this choice; None: raw."""
+    return {GGML_Q8_0: 8, GGML_Q4_0: 4}.get(kv_type.ggml_type)
+
+
 class MlxBackend:
     def __init__(self, path: Path, *, n_cells: int, n_seq: int,
                  kv_type: KvCacheType | None = None) -> None:
         try:
             import mlx.core as mx
             from mlx_lm import load
-            from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+            from mlx_lm.models.cache import (
+                KVCache,
+                QuantizedKVCache,
+                make_prompt_cache,
+                trim_prompt_cache,
+            )
         except ImportError:
             raise ModelLoadError(
                 f"{path} is an MLX / HuggingFace checkpoint, which needs the mlx extra: "
                 "pip install 'butter-serve[mlx]'") from None
         self._mx, self._make_cache, self._trim = mx, make_prompt_cache, trim_prompt_cache
+        self._kv_cache_class, self._quantized_cache_class = KVCache, QuantizedKVCache
         try:
             loaded = load(str(path))
             self._model, self._tokenizer = loaded[0], loaded[1]
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
             raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from None
         self._config = json.loads((path / "config.json").read_text())
-        self.kv_type = kv_type or parse_kv_cache("raw")
+        self._kv_bits = _quantized_kv(kv_type or parse_kv_cache("raw"))
+        self._kv_group = self._quantization_group()
+        self.kv_type = self._describe_kv(kv_type or parse_kv_cache("raw"))
         self.info = self._read_info(path)
         self.n_cells = n_cells
         self.n_seq = n_seq
         self.can_shift = False
         self._caches: dict[int, list[Any]] = {}
-        self._samplers: dict[int, tuple[SamplingParams, Any]] = {}
+        self._batch: _DecodeBatch | None = None
+        self._can_batch = self._kv_bits is None and all(
+            hasattr(layer, "merge") for layer in self._new_cache())
+        self._samplers: dict[int, _Sampler] = {}
         self._eog = set(self._tokenizer.eos_token_ids)
         self._special = set(self._tokenizer.all_special_ids)
         self._closed = False
@@ -89,20 +138,34 @@ class MlxBackend:
         )
 
     @property
+    def _head_dim(self) -> int:
+        config = self._config
+        return int(config.get("head_dim")
+                   or config["hidden_size"] // config["num_attention_heads"])
+
+    def _quantization_group(self) -> int:
+        """mlx quantizes in groups of 32, 64 or 128 elements along the head dimension."""
+        return 64 if self._head_dim % 64 == 0 else 32
+
+    def _describe_kv(self, kv_type: KvCacheType) -> KvCacheType:
+        if self._kv_bits is None:
+            return kv_type
+        return attrs.evolve(kv_type, label=f"mlx affine {self._kv_bits}-bit / {self._kv_group}")
+
+    @property
     def kv_bytes_per_token(self) -> float:
         config = self._config
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-        return float(config["num_hidden_layers"] * heads * head_dim * 2 * 2)
+        elements = config["num_hidden_layers"] * heads * self._head_dim * 2  # K and V
+        if self._kv_bits is None:
+            return float(elements * 2)
+        return float(elements * (self._kv_bits / 8 + 2 * 2 / self._kv_group))  # + scale, bias
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError) what this backend cannot honour, before admission."""
         if params.grammar is not None:
             raise ValueError("grammar-constrained output (tool_choice required/named, "
                              "response_format) is not available on the MLX backend yet")
-        if params.uses_penalties:
-            raise ValueError("repeat/presence/frequency penalties are not available on the "
-                             "MLX backend yet")
 
     # ------------------------------------------------------------------ text
 
@@ -128,62 +191,190 @@ class MlxBackend:
             raise BackendError("the model was unloaded")
         for op in ops:
             self._apply(op)
-        sampled = []
+        decoding = [work for work in works if not work.prompt]
+        logits: dict[int, Any] = {}
+        if self._can_batch and (len(decoding) > 1 or self._batch is not None):
+            logits.update(self._decode_batched(decoding))
         for work in works:
-            logits = self._forward(work)
-            if work.sample:
-                sampled.append(self._sample(work.seq, logits))
+            if work.seq not in logits:
+                logits[work.seq] = self._forward(work)
+        sampled = [self._sample(work.seq, logits[work.seq]) for work in works if work.sample]
+        self._settle()
         return sampled
+
+    def _settle(self) -> None:
+        """Evaluate every lazy array this step left behind (merged, filtered or copied caches,
+        sampler keys): mlx ties an unevaluated array to the thread that built it, and the
+        next step may run on another worker thread."""
+        batch = [] if self._batch is None else [self._batch.cache]
+        self._mx.eval(
+            [layer.state for cache in (*self._caches.values(), *batch) for layer in cache],
+            [sampler.key for sampler in self._samplers.values()],
+        )
 
     def _apply(self, op: KvOp) -> None:
         if isinstance(op, RemoveTokens):
-            cache = self._caches.get(op.seq)
+            cache = self._own_cache(op.seq)
             if cache is None or op.start <= 0:
-                self._caches[op.seq] = self._make_cache(self._model)
+                self._caches[op.seq] = self._new_cache()
             else:
                 end = self._offset(cache) if op.end < 0 else op.end
                 if end != self._offset(cache):
                     raise BackendError("MLX caches can only drop their most recent positions")
                 self._trim(cache, end - op.start)
         elif isinstance(op, CopyPrefix):
-            self._caches[op.dst] = self._copy(self._caches[op.src], op.length)
+            self._leave_batch([op.dst])
+            self._caches[op.dst] = self._copy(self._read_cache(op.src), op.length)
         elif isinstance(op, ShiftPositions):
             raise BackendError("MLX caches cannot shift positions")
         else:
-            key = self._mx.random.key(op.params.seed)
-            self._samplers[op.seq] = (op.params, key)
+            self._samplers[op.seq] = _Sampler(op.params, self._mx.random.key(op.params.seed))
+
+    def _new_cache(self) -> list[Any]:
+        cache = self._make_cache(self._model)
+        if self._kv_bits is None:
+            return cache
+        return [self._quantized_cache_class(group_size=self._kv_group, bits=self._kv_bits)
+                if type(layer) is self._kv_cache_class else layer for layer in cache]
+
+    def _own_cache(self, seq: int) -> list[Any] | None:
+        """The session's own cache, taken out of the decode batch if it is in it."""
+        self._leave_batch([seq])
+        return self._caches.get(seq)
+
+    def _read_cache(self, seq: int) -> list[Any]:
+        """The session's cache to read from; a batched session stays in its batch."""
+        batch = self._batch
+        if batch is not None and seq in batch.seqs:
+            row = batch.seqs.index(seq)
+            return [layer.extract(row) for layer in batch.cache]
+        return self._caches[seq]
 
     @staticmethod
     def _offset(cache: list[Any]) -> int:
         return int(cache[0].offset)
 
     def _copy(self, donor: list[Any], length: int) -> list[Any]:
-        fresh = self._make_cache(self._model)
+        fresh = self._new_cache()
         for target, source in zip(fresh, donor, strict=True):
             keys, values = source.keys_and_values()
-            target.state = (keys[..., :length, :], values[..., :length, :], length)
+            if isinstance(keys, tuple):  # quantized: (packed, scales, biases)
+                target.keys = tuple(part[..., :length, :] for part in keys)
+                target.values = tuple(part[..., :length, :] for part in values)
+                target.offset = length
+            else:
+                target.state = (keys[..., :length, :], values[..., :length, :], length)
         return fresh
 
     def _forward(self, work: SeqWork) -> Any:
-        cache = self._caches.setdefault(work.seq, self._make_cache(self._model))
+        cache = self._own_cache(work.seq)
+        if cache is None:
+            cache = self._caches[work.seq] = self._new_cache()
         if self._offset(cache) != work.start:
             raise BackendError(f"seq {work.seq} is at {self._offset(cache)}, not {work.start}")
         inputs = self._mx.array([list(work.tokens)])
         logits = self._model(inputs, cache=cache)[0, -1]
-        self._mx.eval(logits, [c.keys_and_values() for c in cache])
+        self._mx.eval(logits, [layer.keys_and_values() for layer in cache])
         return logits
+
+    # ------------------------------------------------------------------ the decode batch
+
+    @property
+    def decode_batch(self) -> tuple[int, ...]:
+        """The sessions whose decodes share one forward pass now."""
+        return () if self._batch is None else tuple(self._batch.seqs)
+
+    def cached_bytes(self, seq: int) -> int:
+        """Bytes of KV state the session holds (its row of the batch, if batched)."""
+        if seq not in self._caches and seq not in self.decode_batch:
+            return 0
+        return sum(int(layer.nbytes) for layer in self._read_cache(seq))
+
+    def _decode_batched(self, works: list[SeqWork]) -> dict[int, Any]:
+        """One forward pass for every decoding session; logits by seq."""
+        wanted = [work.seq for work in works]
+        members = self._batch.seqs if self._batch is not None else []
+        self._leave_batch([seq for seq in members if seq not in wanted])
+        self._join_batch([seq for seq in wanted if seq not in members])
+        batch = self._batch
+        if batch is None:
+            return {}
+        mx = self._mx
+        rows = {seq: row for row, seq in enumerate(batch.seqs)}
+        positions = batch.cache[0].offset.tolist()
+        tokens = [0] * len(batch.seqs)
+        for work in works:
+            if positions[rows[work.seq]] != work.start:
+                raise BackendError(
+                    f"seq {work.seq} is at {positions[rows[work.seq]]}, not {work.start}")
+            tokens[rows[work.seq]] = work.tokens[0]
+        logits = self._model(mx.array(tokens)[:, None], cache=batch.cache)[:, -1]
+        mx.eval(logits, [(layer.keys_and_values(), layer.offset) for layer in batch.cache])
+        return {seq: logits[row] for seq, row in rows.items()}
+
+    def _join_batch(self, seqs: list[int]) -> None:
+        if not seqs:
+            return
+        for seq in seqs:
+            if seq not in self._caches:
+                self._caches[seq] = self._new_cache()
+        joining = [self._caches.pop(seq) for seq in seqs]
+        merged = [type(layers[0]).merge(list(layers)) for layers in zip(*joining, strict=True)]
+        if self._batch is None:
+            self._batch = _DecodeBatch(seqs=list(seqs), cache=merged)
+            return
+        for layer, extra in zip(self._batch.cache, merged, strict=True):
+            layer.extend(extra)
+        self._batch.seqs.extend(seqs)
+
+    def _leave_batch(self, seqs: list[int]) -> None:
+        """Give these sessions their own caches back (a copy of their rows)."""
+        batch = self._batch
+        leaving = [seq for seq in seqs if batch is not None and seq in batch.seqs]
+        if batch is None or not leaving:
+            return
+        for seq in leaving:
+            row = batch.seqs.index(seq)
+            self._caches[seq] = [layer.extract(row) for layer in batch.cache]
+        keep = [row for row, seq in enumerate(batch.seqs) if seq not in leaving]
+        if not keep:
+            self._batch = None
+            return
+        for layer in batch.cache:
+            layer.filter(keep)
+        batch.seqs = [batch.seqs[row] for row in keep]
 
     def _sample(self, seq: int, logits: Any) -> Sampled:
         mx = self._mx
-        params, key = self._samplers[seq]
+        sampler = self._samplers[seq]
+        params = sampler.params
+        if params.uses_penalties:
+            logits = self._penalized(logits, sampler)
         if params.greedy:
             token = int(mx.argmax(logits).item())
         else:
-            key, draw = mx.random.split(key)
-            self._samplers[seq] = (params, key)
+            sampler.key, draw = mx.random.split(sampler.key)
             token = int(mx.random.categorical(self._filtered(logits, params), key=draw).item())
+        sampler.recent.append(token)
         return Sampled(seq=seq, token=token, piece=self._piece(token),
                        end_of_generation=token in self._eog)
+
+    def _penalized(self, logits: Any, sampler: _Sampler) -> Any:
+        """llama.cpp's penalties over the tokens this request generated (its last n):
+        repeat divides a positive logit (multiplies a negative one), frequency subtracts
+        per occurrence, presence once per token."""
+        counts = Counter(sampler.recent)
+        if not counts:
+            return logits
+        mx, params = self._mx, sampler.params
+        ids = mx.array(list(counts))
+        seen = logits[ids].astype(mx.float32)
+        seen = mx.where(seen <= 0, seen * params.repeat_penalty, seen / params.repeat_penalty)
+        seen = (seen - mx.array(list(counts.values()), dtype=mx.float32)
+                * params.frequency_penalty - params.presence_penalty)
+        penalized = logits.astype(mx.float32)
+        penalized[ids] = seen
+        return penalized
 
     def _filtered(self, logits: Any, params: SamplingParams) -> Any:
         """Temperature, then top-k, top-p and min-p masks (llama.cpp's order of effect)."""
@@ -206,5 +397,6 @@ class MlxBackend:
     def close(self) -> None:
         self._closed = True
         self._caches.clear()
+        self._batch = None
         self._samplers.clear()
         self._model = None  # drop the weights now, not whenever this object goes

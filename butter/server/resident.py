@@ -49,12 +49,10 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
     if is_mlx_checkpoint(path):
         from butter.backends.mlx import MlxBackend
 
-        if kv_type.quantized:
-            log.warning("--kv-cache %s: quantized KV caches are not wired for MLX yet; "
-                        "using raw", settings.kv_cache)
         trained = json.loads((path / "config.json").read_text()).get(
             "max_position_embeddings") or 0
-        return MlxBackend(path, n_cells=size_pool(int(trained)), n_seq=settings.parallel)
+        return MlxBackend(path, n_cells=size_pool(int(trained)), n_seq=settings.parallel,
+                          kv_type=kv_type)
     return LlamaCppBackend(
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
