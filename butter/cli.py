@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt tokens evaluated per engine step (default %(default)s)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
                        help="llama.cpp threads (default: usable cores, %(default)s)")
+    serve.add_argument("--step-shaping", action=argparse.BooleanOptionalAction, default=True,
+                       help="llama.cpp: time alternative layouts of decode steps (pad output "
+                            "rows to 8, or one decode per row) and keep the fastest "
+                            "(default: on)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "
@@ -114,7 +118,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         model=args.model, host=args.host, port=args.port, alias=args.alias,
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
-        threads=args.threads, shutdown_grace=args.shutdown_grace,
+        threads=args.threads, step_shaping=args.step_shaping,
+        shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
         body_timeout=args.body_timeout,

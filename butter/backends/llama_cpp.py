@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from butter.backends.base import (
     SeqWork,
     ShiftPositions,
 )
+from butter.backends.shaping import Shape, StepShaper, padded_outputs
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
@@ -85,7 +87,7 @@ def check_gguf_file(path: Path) -> None:
 class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
-        threads: int, kv_type: KvCacheType | None = None,
+        threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading)."""
         _init_llama_backend()
@@ -109,7 +111,8 @@ class LlamaCppBackend:
         self._pad_seq = n_seq  # a scratch sequence beyond the sessions' ones
         self.n_batch = n_batch + MIN_PROMPT_ROWS
         self.can_shift = bool(ll.llama_memory_can_shift(self._mem))
-        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.shaper = StepShaper(enabled=step_shaping)
         self._samplers: dict[int, Any] = {}
         self._grammars: dict[int, Any] = {}
         self._vocab_ids = np.arange(self.info.n_vocab, dtype=np.int32)
@@ -231,7 +234,22 @@ class LlamaCppBackend:
             self._apply(op)
         if not works:
             return []
-        sample_rows, padded = self._fill_batch(works)
+        decode_only = not any(work.prompt for work in works)
+        outputs = sum(1 for work in works if work.sample)
+        shape = self.shaper.choose(outputs, decode_only=decode_only)
+        started = time.perf_counter()
+        if shape is Shape.SPLIT:
+            sampled = [s for work in works for s in self._decode([work], outputs=0)]
+        else:
+            wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
+            sampled = self._decode(works, outputs=wanted)
+        if decode_only:
+            self.shaper.observe(outputs, shape, time.perf_counter() - started)
+        return sampled
+
+    def _decode(self, works: list[SeqWork], *, outputs: int) -> list[Sampled]:
+        """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
+        sample_rows, padded = self._fill_batch(works, outputs=outputs)
         status = ll.llama_decode(self._ctx, self._batch)
         if padded:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
@@ -252,15 +270,26 @@ class LlamaCppBackend:
         else:
             self._set_sampler(op.seq, op.params)
 
-    def _fill_batch(self, works: list[SeqWork]) -> tuple[list[tuple[int, int]], bool]:
-        """Write the works into the batch; returns the rows to sample and if it was padded."""
+    def _fill_batch(
+        self, works: list[SeqWork], *, outputs: int = 0,
+    ) -> tuple[list[tuple[int, int]], bool]:
+        """Write the works into the batch; returns the rows to sample and if it was padded.
+
+        `outputs`: request logits on at least this many rows (see butter.backends.shaping),
+        first on rows that need none, then on scratch rows."""
         rows = sum(len(work.tokens) for work in works)
-        padding = 0
-        if any(work.prompt for work in works) and rows < MIN_PROMPT_ROWS:
-            padding = MIN_PROMPT_ROWS - rows
-            works = [*works, SeqWork(self._pad_seq, (0,) * padding, 0, sample=False)]
-        if rows + padding > self.n_batch:
+        if rows > self.n_batch:
             raise BackendError(f"a step of {rows} tokens exceeds the batch size {self.n_batch}")
+        prompt_padding = 0
+        if any(work.prompt for work in works) and rows < MIN_PROMPT_ROWS:
+            prompt_padding = MIN_PROMPT_ROWS - rows
+        sampled = sum(1 for work in works if work.sample)
+        spare_outputs = max(0, outputs - sampled)
+        padding = max(prompt_padding, spare_outputs - (rows - sampled))
+        if rows + padding > self.n_batch:  # no room to shape: evaluate as it is
+            padding, spare_outputs = prompt_padding, 0
+        if padding:
+            works = [*works, SeqWork(self._pad_seq, (0,) * padding, 0, sample=False)]
         batch = self._batch
         token, pos, n_seq_id = batch.token, batch.pos, batch.n_seq_id
         seq_id, logits = batch.seq_id, batch.logits
@@ -274,9 +303,11 @@ class LlamaCppBackend:
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset == last
-                logits[row] = wants
+                logits[row] = wants or spare_outputs > 0
                 if wants:
                     sample_rows.append((work.seq, row))
+                elif spare_outputs > 0:
+                    spare_outputs -= 1
                 row += 1
         batch.n_tokens = row
         return sample_rows, padding > 0

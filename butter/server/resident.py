@@ -56,7 +56,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
     return LlamaCppBackend(
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
-        kv_type=kv_type,
+        kv_type=kv_type, step_shaping=settings.step_shaping,
     )
 
 
@@ -133,9 +133,16 @@ class ResidentModel:
             "size_bytes": info.size_bytes,
             "chat_template": self.template.origin,
             "kv_cells": self.backend.n_cells,
+            "step_shapes": self.step_shapes(),
             "parallel": self.backend.n_seq,
             "kv": self.kv_info(),
         }
+
+    def step_shapes(self) -> dict[str, str] | None:
+        """Decode-step layouts chosen so far by output rows (llama.cpp); None: not shaped."""
+        if not isinstance(self.backend, LlamaCppBackend) or not self.backend.shaper.enabled:
+            return None
+        return {str(n): shape for n, shape in self.backend.shaper.verdicts().items()}
 
     def kv_info(self) -> dict[str, Any]:
         per_token = self.backend.kv_bytes_per_token

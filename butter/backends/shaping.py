@@ -1,0 +1,109 @@
+"""How to lay out a step's output rows, chosen by measurement (pure: no llama.cpp here).
+
+On llama.cpp's CPU backend the cost of a step is dominated by the output projection (for
+Gemma 3 270M the 262k-token vocabulary is 71% of the weights), and its matmul kernels do
+not scale smoothly with the number of output rows. Measured on 2 cores with the demo GGUF:
+8 rows take 45 ms but 6 rows 55 ms, and 2 rows 23.7 ms where two 1-row decodes take
+21.9 ms. So a step can be evaluated in one of three shapes:
+
+- PLAIN: the rows as they are;
+- PADDED: logits requested for extra rows (scratch rows, or prompt rows that need none) up
+  to the next multiple of 8, so that the projection runs on the batched kernels;
+- SPLIT: one decode per row (decode-only steps of 2-3 rows).
+
+Which one wins depends on the hardware and the model, so the shaper times the candidates
+on decode-only steps (same rows, different layout), keeps the fastest, and revisits the
+others now and then. Candidates are limited so that results stay exact where they were:
+a single row is always PLAIN; SPLIT evaluates each row as it would be alone; PADDED is
+only offered from 5 rows of a group of 8, where rows already share batched kernels.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from enum import Enum
+
+PAD_MULTIPLE = 8
+MIN_PADDED_REMAINDER = 5  # pad 5-7 rows (mod 8) up; fewer would double the projection
+MAX_SPLIT_ROWS = 3
+
+
+class Shape(Enum):
+    PLAIN = "plain"
+    PADDED = "padded"
+    SPLIT = "split"
+
+
+def candidates(outputs: int, *, decode_only: bool) -> tuple[Shape, ...]:
+    """The shapes worth trying for a step that samples `outputs` rows."""
+    shapes = [Shape.PLAIN]
+    if outputs % PAD_MULTIPLE >= MIN_PADDED_REMAINDER:
+        shapes.append(Shape.PADDED)
+    if decode_only and 2 <= outputs <= MAX_SPLIT_ROWS:
+        shapes.append(Shape.SPLIT)
+    return tuple(shapes)
+
+
+def padded_outputs(outputs: int) -> int:
+    return -(-outputs // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+class StepShaper:
+    """Per output-row count: recent step times of each candidate shape, and the choice."""
+
+    def __init__(self, *, trials: int = 3, revisit_every: int = 200, window: int = 5,
+                 enabled: bool = True) -> None:
+        self.trials = trials  # timings of each candidate before trusting a choice
+        self.revisit_every = revisit_every  # decode-only steps between re-measurements
+        self.enabled = enabled
+        self._window = window
+        self._times: dict[tuple[int, Shape], deque[float]] = {}
+        self._since_revisit: dict[int, int] = {}
+
+    def choose(self, outputs: int, *, decode_only: bool) -> Shape:
+        if not self.enabled:
+            return Shape.PLAIN
+        if not decode_only:
+            # Mixed steps vary too much to time; they borrow the decode-only verdict on
+            # padding (the projection is the same), never SPLIT.
+            best = self.best(outputs)
+            return Shape.PADDED if best is Shape.PADDED else Shape.PLAIN
+        options = candidates(outputs, decode_only=True)
+        if len(options) == 1:
+            return options[0]
+        untried = [s for s in options if len(self._timings(outputs, s)) < self.trials]
+        if untried:
+            return untried[0]
+        best = min(options, key=lambda s: statistics.median(self._timings(outputs, s)))
+        # After `revisit_every` steps with the best, one fresh timing of each other one.
+        since = self._since_revisit.get(outputs, 0)
+        self._since_revisit[outputs] = since + 1
+        revisit = since - self.revisit_every
+        if revisit >= 0:
+            others = [s for s in options if s is not best]
+            if revisit < len(others):
+                return others[revisit]
+            self._since_revisit[outputs] = 0
+        return best
+
+    def observe(self, outputs: int, shape: Shape, seconds: float) -> None:
+        """Time of one decode-only step of `outputs` rows evaluated as `shape`."""
+        self._timings(outputs, shape).append(seconds)
+
+    def best(self, outputs: int) -> Shape | None:
+        """The fastest measured candidate, or None before every one has its trials."""
+        options = candidates(outputs, decode_only=True)
+        timed = {s: self._timings(outputs, s) for s in options}
+        if any(len(t) < self.trials for t in timed.values()):
+            return None
+        return min(options, key=lambda s: statistics.median(timed[s]))
+
+    def verdicts(self) -> dict[int, str]:
+        """The chosen shape per output-row count that has a choice, for /v1/server."""
+        counts = sorted({outputs for outputs, _ in self._times})
+        chosen = {outputs: self.best(outputs) for outputs in counts}
+        return {outputs: shape.value for outputs, shape in chosen.items() if shape is not None}
+
+    def _timings(self, outputs: int, shape: Shape) -> deque[float]:
+        return self._times.setdefault((outputs, shape), deque(maxlen=self._window))

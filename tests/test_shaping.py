@@ -1,0 +1,169 @@
+"""Step shaping: the pure chooser, and what each shape does inside llama.cpp (tiny GGUF)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import llama_cpp as ll
+import numpy as np
+import pytest
+import trio
+from hypothesis import given
+from hypothesis import strategies as st
+
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.backends.shaping import Shape, StepShaper, candidates, padded_outputs
+from butter.cli import build_parser, settings_from_args
+from butter.sampling import SamplingParams
+from tests.conftest import ServerProcess
+
+# ------------------------------------------------------------------ the chooser (pure)
+
+
+def test_candidates_keep_single_rows_and_small_batches_exact() -> None:
+    assert candidates(1, decode_only=True) == (Shape.PLAIN,)
+    assert candidates(2, decode_only=True) == (Shape.PLAIN, Shape.SPLIT)
+    assert candidates(3, decode_only=False) == (Shape.PLAIN,)  # never split prompt steps
+    assert candidates(4, decode_only=True) == (Shape.PLAIN,)
+    assert candidates(6, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
+    assert candidates(8, decode_only=True) == (Shape.PLAIN,)
+    assert candidates(13, decode_only=False) == (Shape.PLAIN, Shape.PADDED)
+    assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
+
+
+def _timed(shaper: StepShaper, outputs: int, cost: dict[Shape, float], steps: int
+           ) -> list[Shape]:
+    chosen = []
+    for _ in range(steps):
+        shape = shaper.choose(outputs, decode_only=True)
+        shaper.observe(outputs, shape, cost[shape])
+        chosen.append(shape)
+    return chosen
+
+
+def test_tries_every_candidate_then_keeps_the_fastest() -> None:
+    shaper = StepShaper(trials=3, revisit_every=50)
+    chosen = _timed(shaper, 6, {Shape.PLAIN: 0.055, Shape.PADDED: 0.044}, 60)
+    assert chosen[:6].count(Shape.PLAIN) == 3 and chosen[:6].count(Shape.PADDED) == 3
+    assert shaper.best(6) is Shape.PADDED
+    assert chosen[6:].count(Shape.PLAIN) == 1  # one fresh look at the loser per 50 steps
+    assert chosen[6 + 50] is Shape.PLAIN
+    # Prompt steps with as many outputs borrow the verdict; other counts are untouched.
+    assert shaper.choose(6, decode_only=False) is Shape.PADDED
+    assert shaper.choose(7, decode_only=False) is Shape.PLAIN
+
+
+def test_follows_a_change_in_costs() -> None:
+    shaper = StepShaper(trials=2, revisit_every=10, window=3)
+    _timed(shaper, 2, {Shape.PLAIN: 0.020, Shape.SPLIT: 0.030}, 20)
+    assert shaper.best(2) is Shape.PLAIN
+    _timed(shaper, 2, {Shape.PLAIN: 0.040, Shape.SPLIT: 0.030}, 60)
+    assert shaper.best(2) is Shape.SPLIT
+
+
+def test_disabled_shaper_is_always_plain() -> None:
+    shaper = StepShaper(enabled=False)
+    assert {shaper.choose(n, decode_only=d) for n in range(1, 17) for d in (True, False)} == {
+        Shape.PLAIN}
+
+
+@given(st.lists(st.tuples(st.integers(1, 16), st.booleans(), st.floats(0.001, 1.0)),
+                max_size=200))
+def test_every_choice_is_a_candidate(steps: list[tuple[int, bool, float]]) -> None:
+    shaper = StepShaper(trials=2, revisit_every=7)
+    for outputs, decode_only, seconds in steps:
+        shape = shaper.choose(outputs, decode_only=decode_only)
+        assert shape in candidates(outputs, decode_only=decode_only)
+        if decode_only:
+            shaper.observe(outputs, shape, seconds)
+
+
+# ------------------------------------------------------------------ inside llama.cpp
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_gguf: Path) -> Iterator[LlamaCppBackend]:
+    backend = LlamaCppBackend(tiny_gguf, n_cells=2048, n_seq=8, n_batch=256, threads=2)
+    yield backend
+    backend.close()
+
+
+def _prefill(backend: LlamaCppBackend, seqs: range) -> list[SeqWork]:
+    """Fresh sessions with different prompts; their first decode works."""
+    ops: list[RemoveTokens | SetSampler] = [RemoveTokens(seq, -1, -1) for seq in range(8)]
+    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
+    prompts = {seq: backend.tokenize(f"Session {seq} talks about boats", add_bos=False)
+               for seq in seqs}
+    backend.shaper.enabled = False
+    sampled = backend.step(ops, [SeqWork(seq, tuple(p), 0, sample=True, prompt=True)
+                                 for seq, p in prompts.items()])
+    return [SeqWork(s.seq, (s.token,), len(prompts[s.seq]), sample=True) for s in sampled]
+
+
+def _logits(backend: LlamaCppBackend, rows: int) -> np.ndarray:
+    n_vocab = backend.info.n_vocab
+    return np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(backend._ctx, row),
+                                           shape=(n_vocab,)).copy() for row in range(rows)])
+
+
+def test_split_rows_equal_plain_rows(backend: LlamaCppBackend) -> None:
+    works = _prefill(backend, range(2))
+    backend._decode(works, outputs=0)
+    plain = _logits(backend, 2)
+    backend.step([RemoveTokens(w.seq, w.start) for w in works], [])  # rewind one position
+    first = backend._decode(works[:1], outputs=0)
+    alone = [_logits(backend, 1)[0]]
+    backend._decode(works[1:], outputs=0)
+    alone.append(_logits(backend, 1)[0])
+    assert np.array_equal(plain, np.stack(alone))  # SPLIT is exact: same kernels per row
+    assert first[0].seq == works[0].seq
+
+
+def test_padding_rows_change_no_real_row_and_leave_no_trace(backend: LlamaCppBackend) -> None:
+    works = _prefill(backend, range(8))
+    backend._decode(works, outputs=0)  # a real batch of 8 decode rows
+    eight = _logits(backend, 8)
+    backend.step([RemoveTokens(w.seq, w.start) for w in works], [])
+    sampled = backend._decode(works[:6], outputs=padded_outputs(6))  # 6 rows + 2 scratch
+    padded = _logits(backend, 6)
+    # Eight rows with logits went through llama.cpp, two of them scratch...
+    assert backend._batch.n_tokens == 8 and all(backend._batch.logits[row] for row in range(8))
+    # ...and the six real rows are bit-identical to theirs in a real batch of 8.
+    assert np.array_equal(padded, eight[:6])
+    assert [s.seq for s in sampled] == list(range(6))
+    assert ll.llama_memory_seq_pos_max(backend._mem, backend._pad_seq) == -1  # no trace
+
+
+# ------------------------------------------------------------------ served
+
+
+def test_the_flag_turns_shaping_off(tiny_gguf: Path) -> None:
+    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf), "--no-step-shaping"])
+    assert settings_from_args(args).step_shaping is False
+    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf)])
+    assert settings_from_args(args).step_shaping is True
+
+
+async def test_server_reports_the_shapes_it_chose(tiny_gguf: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny", "--parallel", "2",
+                            "--max-context", "1024"])
+    try:
+        async with httpx.AsyncClient(base_url=server.api, timeout=60) as client:
+
+            async def ask(seed: int) -> None:
+                reply = await client.post("/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": f"Hi {seed}"}],
+                    "max_tokens": 24, "seed": seed})
+                assert reply.status_code == 200
+
+            async with trio.open_nursery() as nursery:
+                for seed in range(2):
+                    nursery.start_soon(ask, seed)
+            meta = (await client.get("/server")).json()["model"]["meta"]
+        # Two decoding side by side: plain and split were each timed, one was kept.
+        assert meta["step_shapes"]["2"] in ("plain", "split")
+    finally:
+        server.stop()
