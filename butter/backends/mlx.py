@@ -17,12 +17,14 @@ bits) for every layer whose cache is a plain KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 
 from butter.backends.base import (
     BackendError,
@@ -34,6 +36,7 @@ from butter.backends.base import (
     SeqWork,
     ShiftPositions,
 )
+from butter.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from butter.errors import ModelLoadError
 from butter.kv import GGML_Q4_0, GGML_Q8_0, KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
@@ -71,11 +74,15 @@ class _Sampler:
 
     params: SamplingParams
     key: Any
+    matcher: Any = None  # llguidance's LLMatcher when the request has a grammar
     recent: deque[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         last_n = self.params.penalty_last_n
         self.recent = deque(maxlen=None if last_n < 0 else last_n)
+
+
+GRAMMAR_CACHE_SIZE = 32  # compiled grammars kept (agents resend the same tools each turn)
 
 
 def _quantized_kv(kv_type: KvCacheType) -> int | None:
@@ -119,8 +126,12 @@ class MlxBackend:
         self._can_batch = self._kv_bits is None and all(
             hasattr(layer, "merge") for layer in self._new_cache())
         self._samplers: dict[int, _Sampler] = {}
+        self._compiled: dict[str, str] = {}  # GBNF -> llguidance grammar, most recent last
+        self._llg: Any = None
         self._eog = set(self._tokenizer.eos_token_ids)
         self._special = set(self._tokenizer.all_special_ids)
+        with contextlib.suppress(ImportError):  # built here, not in the first request
+            self._llg_tokenizer()
         self._closed = False
 
     def _read_info(self, path: Path) -> ModelInfo:
@@ -164,8 +175,74 @@ class MlxBackend:
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError) what this backend cannot honour, before admission."""
         if params.grammar is not None:
+            self._grammar(params.grammar)
+
+    # ------------------------------------------------------------------ grammars
+
+    def _grammar(self, gbnf: str) -> str:
+        """The GBNF as an llguidance grammar, checked; ValueError when it is not usable."""
+        compiled = self._compiled.get(gbnf)
+        if compiled is not None:
+            return compiled
+        try:
+            from llguidance import LLMatcher
+            from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+        except ImportError:
             raise ValueError("grammar-constrained output (tool_choice required/named, "
-                             "response_format) is not available on the MLX backend yet")
+                             "response_format) on MLX needs llguidance: pip install "
+                             "'butter-serve[mlx]'") from None
+        try:
+            compiled = str(LLMatcher.grammar_from_lark(self._native_markers(gbnf_to_lark(gbnf))))
+        except GbnfToLarkError as exc:
+            raise ValueError(f"the grammar could not be parsed: {exc}") from None
+        problem = LLMatcher.validate_grammar(compiled, self._llg_tokenizer())
+        if problem:
+            raise ValueError(f"the grammar could not be used: {problem}")
+        if len(self._compiled) >= GRAMMAR_CACHE_SIZE:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[gbnf] = compiled
+        return compiled
+
+    def _native_markers(self, lark: str) -> str:
+        """Match the tool-call markers as the single tokens the vocabulary has for them.
+
+        llguidance treats every added token as special, and a special token never matches a
+        string literal: the model would have to spell `<tool_call>` byte by byte, which it
+        was not trained to do. `<[id]>` is llguidance's syntax for one given token."""
+        tokenizer = self._llg_tokenizer()
+        for marker in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+            token = self._tokenizer.convert_tokens_to_ids(marker)  # (or the unknown token)
+            if isinstance(token, int) and 0 <= token < self.info.n_vocab \
+                    and self._tokenizer.convert_ids_to_tokens(token) == marker \
+                    and tokenizer.is_special_token(token):
+                lark = lark.replace(f'"{marker}"', f"<[{token}]>")
+        return lark
+
+    def _llg_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary (~1 s to build for large ones)."""
+        if self._llg is None:
+            import llguidance.hf
+
+            self._llg = llguidance.hf.from_tokenizer(
+                self._tokenizer._tokenizer, n_vocab=self.info.n_vocab,
+                eos_token=sorted(self._eog))
+        return self._llg
+
+    def _matcher(self, params: SamplingParams) -> Any:
+        if params.grammar is None:
+            return None
+        from llguidance import LLMatcher
+
+        return LLMatcher(self._llg_tokenizer(), self._grammar(params.grammar), log_level=0)
+
+    def _allowed(self, matcher: Any, logits: Any) -> Any:
+        """Logits with every token the grammar forbids next set to -inf."""
+        mx = self._mx
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8),
+                             bitorder="little")[: logits.shape[-1]].astype(bool)
+        allowed = np.zeros(logits.shape[-1], dtype=bool)
+        allowed[: len(bits)] = bits
+        return mx.where(mx.array(allowed), logits, -mx.inf)
 
     # ------------------------------------------------------------------ text
 
@@ -228,7 +305,8 @@ class MlxBackend:
         elif isinstance(op, ShiftPositions):
             raise BackendError("MLX caches cannot shift positions")
         else:
-            self._samplers[op.seq] = _Sampler(op.params, self._mx.random.key(op.params.seed))
+            self._samplers[op.seq] = _Sampler(op.params, self._mx.random.key(op.params.seed),
+                                              matcher=self._matcher(op.params))
 
     def _new_cache(self) -> list[Any]:
         cache = self._make_cache(self._model)
@@ -350,12 +428,16 @@ class MlxBackend:
         params = sampler.params
         if params.uses_penalties:
             logits = self._penalized(logits, sampler)
+        if sampler.matcher is not None:
+            logits = self._allowed(sampler.matcher, logits)
         if params.greedy:
             token = int(mx.argmax(logits).item())
         else:
             sampler.key, draw = mx.random.split(sampler.key)
             token = int(mx.random.categorical(self._filtered(logits, params), key=draw).item())
         sampler.recent.append(token)
+        if sampler.matcher is not None:
+            sampler.matcher.consume_token(token)
         return Sampled(seq=seq, token=token, piece=self._piece(token),
                        end_of_generation=token in self._eog)
 

@@ -15,6 +15,7 @@ from typing import Any
 from butter.errors import InvalidRequest
 
 _ROOT_RULE = re.compile(r"^root ::=", re.MULTILINE)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
 def _schema_to_gbnf(schema: Mapping[str, Any], param: str) -> str:
@@ -40,7 +41,9 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = Non
     variants = [_call_schema(f) for f in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
     body = _ROOT_RULE.sub("call ::=", _schema_to_gbnf(schema, "tools"))
-    return 'root ::= "<tool_call>\\n" call "\\n</tool_call>"\n' + body
+    # The markers stand as literals of their own, so a backend can match them as the
+    # single tokens many vocabularies have for them (see backends/mlx.py).
+    return f'root ::= "{TOOL_CALL_OPEN}" "\\n" call "\\n" "{TOOL_CALL_CLOSE}"\n' + body
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
