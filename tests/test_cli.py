@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -54,3 +55,25 @@ def test_sigterm_shuts_down_cleanly(tiny_gguf: Path) -> None:
     assert httpx.get(f"{server.base_url}/health").text == "ok"
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(30) == 0
+
+
+def test_shutdown_finishes_streams_and_does_not_wait_for_idle_connections(
+        tiny_gguf: Path) -> None:
+    grace = 30.0
+    server = ServerProcess(["--model", str(tiny_gguf), "--shutdown-grace", str(grace)])
+    with httpx.Client(base_url=server.api, timeout=60) as idle, \
+            httpx.Client(base_url=server.api, timeout=60) as streaming:
+        assert idle.get("/models").status_code == 200  # leaves a keep-alive connection open
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
+                "stream": True}
+        with streaming.stream("POST", "/chat/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            started = time.monotonic()
+            server.process.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]  # the stream in flight runs to its end
+        assert rest[-1] == "data: [DONE]"
+        assert '"finish_reason":"length"' in "".join(rest)
+        assert server.process.wait(grace) == 0
+        # Not held until the grace deadline by the idle keep-alive connection.
+        assert time.monotonic() - started < grace / 2
