@@ -217,3 +217,21 @@ async def test_penalties_keep_greedy_from_repeating(
     penalized = await greedy_pieces(presence_penalty=50.0, frequency_penalty=50.0)
     assert len(penalized) >= 20  # (a penalized stream may end early: EOS gets its turn)
     assert len(set(penalized)) == len(penalized)
+
+
+async def test_caches_that_cannot_be_cut_are_only_extended(
+    resident: ResidentModel, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the engine does for recurrent state (rewind_limit 1): no GGUF of that kind can
+    # be built here, so the limit is set on a real backend and the engine's choices checked.
+    monkeypatch.setattr(resident.backend, "rewind_limit", 1)
+    first = tokens(resident, "A conversation about boats, first turn")
+    _, cold = await run(engine, first, seed=1, max_tokens=6)
+    (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+    _, extended = await run(engine, [*held, *tokens(resident, " and more")], seed=1,
+                            max_tokens=2)
+    assert cold.cached_tokens == 0 and extended.cached_tokens == len(held)
+    _, forked = await run(engine, first[:-2] + tokens(resident, " else"), seed=1, max_tokens=2)
+    assert forked.cached_tokens == 0  # cutting back is impossible: rebuilt
+    _, again = await run(engine, first[:-2] + tokens(resident, " else"), seed=1, max_tokens=2)
+    assert again.cached_tokens == 0  # the same prompt would need one token cut: rebuilt

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from butter.backends.mlx import MlxBackend
 from butter.model import Model
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
+from butter.testing.tiny_mlx import write_tiny_gemma3_mlx
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1, 2, 3", "Boats and the sea"]
 
@@ -23,8 +25,9 @@ async def _load(path: Path, **settings: object) -> tuple[Model, MlxBackend]:
     return model, backend
 
 
-async def _greedy(model: Model, text: str, max_tokens: int) -> tuple[bytes, int]:
-    tokens = model.resident.backend.tokenize(text, add_bos=False)
+async def _greedy(model: Model, text: str | list[int], max_tokens: int) -> tuple[bytes, int]:
+    tokens = model.resident.backend.tokenize(text, add_bos=False) if isinstance(
+        text, str) else text
     engine = model.resident.engine
     async with engine.generate(tokens, SamplingParams(temperature=0), max_tokens) as gen:
         pieces = [p async for batch in gen.pieces() for p in batch]
@@ -69,3 +72,79 @@ async def test_affine_kv_caches_quantize_and_still_reuse_prefixes(tiny_mlx: Path
         finally:
             await model.aclose()
     assert stored["raw"] > stored["affine8"] > stored["affine4"] > 0
+
+
+# ------------------------------------------------------------------ sliding-window caches
+
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma3_mlx(tmp_path_factory.mktemp("gemma") / "g", sliding_window=WINDOW)
+
+
+async def _cold(model: Model, text: str | list[int], max_tokens: int) -> bytes:
+    model.resident.engine.drop_idle_caches()
+    text_out, cached = await _greedy(model, text, max_tokens)
+    assert cached == 0
+    return text_out
+
+
+async def test_sliding_window_caches_are_cut_only_before_they_wrap(tiny_gemma: Path) -> None:
+    model, backend = await _load(tiny_gemma)
+    try:
+        assert backend.rewind_limit == WINDOW
+        tokens = model.resident.backend.tokenize
+        # Short: the cache has not wrapped, so a fork keeps the common prefix.
+        await _cold(model, "ab cd ef", 2)
+        fork = "ab cd gh"
+        expected = await _cold(model, fork, 4)
+        await _greedy(model, "ab cd ef", 2)
+        text, cached = await _greedy(model, fork, 4)
+        pairs = zip(tokens("ab cd ef", add_bos=False), tokens(fork, add_bos=False), strict=False)
+        common = next(i for i, (a, b) in enumerate(pairs) if a != b)
+        assert cached == common > 0 and text == expected
+        # Long: the rotating caches wrapped; a fork rebuilds instead of failing.
+        long = "The quick brown fox jumps over the lazy dog. " * 2
+        await _cold(model, long + "Apples", 4)
+        expected = await _cold(model, long + "Pears", 4)
+        await _greedy(model, long + "Apples", 4)
+        text, cached = await _greedy(model, long + "Pears", 4)
+        assert (text, cached) == (expected, 0)
+        # ...but a prompt that extends the wrapped cache still reuses all of it.
+        await _cold(model, long, 6)
+        (held,) = [list(s.kv_tokens) for s in model.resident.engine._sessions if s.kv_tokens]
+        follow_up = [*held, *tokens(" and then", add_bos=False)]
+        expected = await _cold(model, follow_up, 4)
+        await _greedy(model, long, 6)
+        text, cached = await _greedy(model, follow_up, 4)
+        assert cached == len(held) > WINDOW and text == expected
+    finally:
+        await model.aclose()
+
+
+async def test_batched_rotating_caches_equal_sequential_runs(tiny_gemma: Path) -> None:
+    model, backend = await _load(tiny_gemma)
+    prompts = [p + " and more words to pass the window" for p in PROMPTS]
+    try:
+        engine = model.resident.engine
+
+        async def run(i: int) -> bytes:
+            tokens = backend.tokenize(prompts[i], add_bos=False)
+            async with engine.generate(tokens, SamplingParams(seed=i), 24) as gen:
+                return b"".join([p async for batch in gen.pieces() for p in batch])
+
+        alone = [await run(i) for i in range(4)]
+        engine.drop_idle_caches()
+        together: dict[int, bytes] = {}
+
+        async def lane(i: int) -> None:
+            together[i] = await run(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(lane, i)
+        assert [together[i] for i in range(4)] == alone
+    finally:
+        await model.aclose()

@@ -90,6 +90,10 @@ class Backend(Protocol):
     n_seq: int
     can_shift: bool
     kv_type: KvCacheType
+    # A sequence's cache holding this many positions or more can no longer be cut back
+    # or copied in part (recurrent state: 1; a sliding-window cache once it wraps around:
+    # the window); None: always.
+    rewind_limit: int | None
 
     @property
     def kv_bytes_per_token(self) -> float: ...

@@ -111,6 +111,8 @@ class LlamaCppBackend:
         self._pad_seq = n_seq  # a scratch sequence beyond the sessions' ones
         self.n_batch = n_batch + MIN_PROMPT_ROWS
         self.can_shift = bool(ll.llama_memory_can_shift(self._mem))
+        # swa_full keeps sliding-window layers whole, so only recurrent state cannot rewind.
+        self.rewind_limit = 1 if self.info.is_recurrent else None
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.shaper = StepShaper(enabled=step_shaping)
         self._samplers: dict[int, Any] = {}

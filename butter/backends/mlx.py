@@ -121,6 +121,10 @@ class MlxBackend:
         self.n_cells = n_cells
         self.n_seq = n_seq
         self.can_shift = False
+        # mlx-lm's sliding-window caches rotate once full; from then on they cannot be cut.
+        windows = [int(layer.max_size) for layer in self._make_cache(self._model)
+                   if hasattr(layer, "max_size")]
+        self.rewind_limit = min(windows) if windows else None
         self._caches: dict[int, list[Any]] = {}
         self._batch: _DecodeBatch | None = None
         self._can_batch = self._kv_bits is None and all(
@@ -340,6 +344,9 @@ class MlxBackend:
                 target.keys = tuple(part[..., :length, :] for part in keys)
                 target.values = tuple(part[..., :length, :] for part in values)
                 target.offset = length
+            elif hasattr(target, "max_size"):  # sliding window, not wrapped (rewind_limit)
+                target.keys, target.values = keys[..., :length, :], values[..., :length, :]
+                target.offset = target._idx = length
             else:
                 target.state = (keys[..., :length, :], values[..., :length, :], length)
         return fresh

@@ -397,10 +397,17 @@ class Engine:
 
     def _reusable(self, session: Session, prompt: Sequence[int]) -> int:
         """How much of this session's cache the prompt can keep (one token must remain)."""
-        common = common_prefix_length(session.kv_tokens, prompt)
-        if self.backend.info.is_recurrent and common < len(session.kv_tokens):
-            return 0  # recurrent state cannot rewind: only a strict prefix is reusable
-        return min(common, len(prompt) - 1, session.reusable_cache)
+        keep = min(common_prefix_length(session.kv_tokens, prompt), len(prompt) - 1,
+                   session.reusable_cache)
+        if keep < len(session.kv_tokens) and not self._can_cut(session):
+            return 0  # only a cache the prompt extends is reusable as it is
+        return keep
+
+    def _can_cut(self, session: Session) -> bool:
+        """Whether this session's cache can be cut back (or copied in part): not recurrent
+        state, nor a sliding-window cache that has wrapped around (backend.rewind_limit)."""
+        limit = self.backend.rewind_limit
+        return limit is None or len(session.kv_tokens) < limit
 
     def _lease(self, session: Session, generation: Generation) -> None:
         keep = self._reusable(session, generation.prompt)
@@ -428,7 +435,7 @@ class Engine:
         if self.backend.info.is_recurrent:
             return best, 0
         for other in self._sessions:
-            if other is session:
+            if other is session or not self._can_cut(other):
                 continue
             length = min(common_prefix_length(other.kv_tokens, prompt), len(prompt) - 1,
                          other.reusable_cache)

@@ -1,4 +1,5 @@
-"""A tiny random-weight Qwen3 model in MLX / HuggingFace layout, for MLX backend tests.
+"""Tiny random-weight Qwen3 and Gemma 3 text models in MLX / HuggingFace layout, for MLX
+backend tests (Gemma 3's sliding-window layers get mlx-lm's rotating caches).
 
 config.json + model.safetensors (saved by mlx from `mlx_lm.models.qwen3.Model`'s own
 parameters) + the same byte-level BPE tokenizer as the tiny GGUF, with ChatML specials and
@@ -37,17 +38,43 @@ def tiny_config(n_ctx_train: int = 4096) -> dict[str, object]:
     }
 
 
+def tiny_gemma3_config(sliding_window: int = 16) -> dict[str, object]:
+    """Gemma 3 text layout: every other layer attends over a sliding window (mlx-lm gives
+    those layers rotating caches)."""
+    return {
+        "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": N_EMBD, "num_hidden_layers": 4, "intermediate_size": N_FF,
+        "num_attention_heads": N_HEAD, "num_key_value_heads": N_HEAD_KV, "head_dim": HEAD_DIM,
+        "rms_norm_eps": RMS_EPS, "vocab_size": len(tiny_vocab()), "rope_theta": ROPE_THETA,
+        "sliding_window": sliding_window, "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": HEAD_DIM, "max_position_embeddings": 4096,
+    }
+
+
 def write_tiny_qwen3_mlx(path: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
     """Write the model directory and return it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
     from mlx_lm.models.qwen3 import Model, ModelArgs
 
-    target = pathlib.Path(path)
+    return _write(pathlib.Path(path), tiny_config(), Model, ModelArgs, seed)
+
+
+def write_tiny_gemma3_mlx(path: str | os.PathLike[str], *, seed: int = 0,
+                          sliding_window: int = 16) -> pathlib.Path:
+    """A tiny random Gemma 3 text model (sliding-window layers), same tokenizer."""
+    from mlx_lm.models.gemma3_text import Model, ModelArgs
+
+    return _write(pathlib.Path(path), tiny_gemma3_config(sliding_window), Model, ModelArgs,
+                  seed)
+
+
+def _write(target: pathlib.Path, config: dict[str, object], model_class: type,
+           args_class: type, seed: int) -> pathlib.Path:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     target.mkdir(parents=True, exist_ok=True)
-    config = tiny_config()
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))  # type: ignore[no-untyped-call]
+    model = model_class(args_class.from_dict(config))  # type: ignore[attr-defined]
     mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (target / "config.json").write_text(json.dumps(config, indent=1))
     build_tiny_tokenizer().save(str(target / "tokenizer.json"))
