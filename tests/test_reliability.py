@@ -269,3 +269,28 @@ async def test_slow_senders_are_cut_off(tiny_gguf: Path) -> None:
         assert await trio.to_thread.run_sync(healthy, server)
     finally:
         await trio.to_thread.run_sync(server.stop)
+
+
+async def test_idle_keep_alive_connections_are_closed(small_server: ServerProcess) -> None:
+    """After a response, a connection nobody uses is closed by the keep-alive timeout (5 s),
+    not kept forever (hypercorn lost that timer when quart-trio cancelled the request)."""
+    host, port = small_server.base_url.removeprefix("http://").split(":")
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                       "stream": True}).encode()
+    requests = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\n\r\n" + body]
+
+    async def answered_then_closed(request: bytes) -> None:
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(request)
+        received = b""
+        with trio.fail_after(15):
+            while chunk := await stream.receive_some(65536):  # until the server closes
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        for request in requests:
+            nursery.start_soon(answered_then_closed, request)

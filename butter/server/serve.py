@@ -4,9 +4,8 @@
     host, port = await nursery.start(server.serve)   # or: await server.run_forever()
 
 Cancelling the scope stops it; `request_shutdown()` (or SIGINT/SIGTERM under
-run_forever) stops accepting and gives active requests `shutdown_grace` seconds. Once no
-request is in flight the server stops at once: hypercorn (0.18) would otherwise hold idle
-keep-alive connections open until the grace deadline.
+run_forever) stops accepting and gives active requests `shutdown_grace` seconds; idle
+keep-alive connections are closed at once (see ShieldResponseEnd).
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import logging
 import signal
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 
 import trio
@@ -46,31 +44,28 @@ log = logging.getLogger("butter")
 AsgiApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 
 
-class InFlight:
-    """ASGI wrapper that counts HTTP requests until their response is fully sent."""
+class ShieldResponseEnd:
+    """ASGI wrapper that shields the send of a response's last body message.
+
+    hypercorn (0.18) restarts the connection's keep-alive timer inside that call, and
+    quart-trio cancels the request's task right after it, which killed the timer: idle
+    keep-alive connections then stayed open forever, and shutdown waited the whole grace
+    period for them. Shielded, they close after the keep-alive timeout, and at once on
+    shutdown.
+    """
 
     def __init__(self, app: AsgiApp) -> None:
         self.app = app
-        self.count = 0
-        self._idle = trio.Event()
-        self._idle.set()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        self.count += 1
-        self._idle = trio.Event() if self._idle.is_set() else self._idle
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.count -= 1
-            if self.count == 0:
-                self._idle.set()
+        async def send_with_shielded_end(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):
+                    await send(message)
+            else:
+                await send(message)
 
-    async def wait_idle(self) -> None:
-        while self.count:
-            await self._idle.wait()
+        await self.app(scope, receive, send_with_shielded_end)
 
 
 class ServeServer:
@@ -113,7 +108,7 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = InFlight(create_app(self.backend, self.limits))  # type: ignore[arg-type]
+        app = ShieldResponseEnd(create_app(self.backend, self.limits))  # type: ignore[arg-type]
         await self.backend.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(self._serve_http, app)
@@ -121,24 +116,14 @@ class ServeServer:
             task_status.started((host.strip("[]"), int(port)))
 
     async def _serve_http(
-        self, app: InFlight, *,
+        self, app: ShieldResponseEnd, *,
         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(
-                hypercorn_serve, app, self._config(),  # type: ignore[arg-type]
-                shutdown_trigger=self.shutdown_requested.wait))
-            task_status.started(binds)
-            await self._drained(app)
-            nursery.cancel_scope.cancel()
-
-    async def _drained(self, app: InFlight) -> None:
-        """Return once shutdown was requested and no request is in flight (or the grace
-        period is over): hypercorn itself would keep idle keep-alive connections open
-        until its graceful deadline."""
-        await self.shutdown_requested.wait()
-        with trio.move_on_after(self.shutdown_grace):
-            await app.wait_idle()
+        await hypercorn_serve(
+            app,  # type: ignore[arg-type]
+            self._config(), shutdown_trigger=self.shutdown_requested.wait,
+            task_status=task_status,
+        )
 
     async def run_forever(self) -> None:
         """Serve until SIGINT/SIGTERM, then shut down gracefully."""
