@@ -24,9 +24,10 @@ from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
 
 
-async def measure(path: Path, concurrency: int, max_tokens: int, batched: bool) -> float:
+async def measure(path: Path, concurrency: int, max_tokens: int, batched: bool,
+                  kv_cache: str) -> float:
     model = await Model.from_settings(ServeSettings(model=str(path), parallel=concurrency,
-                                                    max_context=2048))
+                                                    max_context=2048, kv_cache=kv_cache))
     backend = model.resident.backend
     assert isinstance(backend, MlxBackend)
     backend._can_batch = backend._can_batch and batched  # the switch under test
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("--model", help="MLX model directory (default: a tiny random qwen3)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache", default="raw", help="raw, affine8 or affine4")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         if args.model:
@@ -67,9 +69,10 @@ def main() -> None:
 
             path = write_tiny_qwen3_mlx(Path(scratch) / "tiny")
         for batched in (False, True):
-            rate = trio.run(measure, path, args.concurrency, args.max_tokens, batched)
+            rate = trio.run(measure, path, args.concurrency, args.max_tokens, batched,
+                            args.kv_cache)
             label = "batched decodes" if batched else "one forward pass per session"
-            print(f"c={args.concurrency} {label}: {rate:.1f} tok/s")
+            print(f"c={args.concurrency} kv={args.kv_cache} {label}: {rate:.1f} tok/s")
 
 
 if __name__ == "__main__":

@@ -34,22 +34,35 @@ async def _greedy(model: Model, text: str | list[int], max_tokens: int) -> tuple
     return b"".join(pieces), gen.cached_tokens
 
 
-async def test_concurrent_decodes_share_one_forward_pass(tiny_mlx: Path) -> None:
-    model, backend = await _load(tiny_mlx)
+@pytest.mark.parametrize("kv_cache", ["raw", "affine8", "affine4"])
+async def test_concurrent_decodes_share_one_forward_pass(tiny_mlx: Path, kv_cache: str) -> None:
+    model, backend = await _load(tiny_mlx, kv_cache=kv_cache)
     widest: list[int] = []
     try:
         engine = model.resident.engine
 
-        async def lane(i: int) -> None:
+        async def run(i: int) -> bytes:
             tokens = backend.tokenize(PROMPTS[i], add_bos=False)
             async with engine.generate(tokens, SamplingParams(seed=i), 24) as gen:
-                async for _ in gen.pieces():
+                pieces = []
+                async for batch in gen.pieces():
+                    pieces += batch
                     widest.append(len(backend.decode_batch))
+            return b"".join(pieces)
+
+        alone = [await run(i) for i in range(4)]
+        engine.drop_idle_caches()
+        widest.clear()
+        together: dict[int, bytes] = {}
+
+        async def lane(i: int) -> None:
+            together[i] = await run(i)
 
         async with trio.open_nursery() as nursery:
             for i in range(4):
                 nursery.start_soon(lane, i)
-        assert max(widest) == 4  # all four decoded in one pass at some step
+        assert max(widest) == 4  # all four decoded in one pass at some step...
+        assert [together[i] for i in range(4)] == alone  # ...giving the tokens of solo runs
         assert all(backend.cached_bytes(seq) > 0 for seq in range(4))  # caches kept for reuse
     finally:
         await model.aclose()

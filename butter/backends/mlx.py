@@ -127,8 +127,8 @@ class MlxBackend:
         self.rewind_limit = min(windows) if windows else None
         self._caches: dict[int, list[Any]] = {}
         self._batch: _DecodeBatch | None = None
-        self._can_batch = self._kv_bits is None and all(
-            hasattr(layer, "merge") for layer in self._new_cache())
+        self._can_batch = all(isinstance(layer, QuantizedKVCache) or hasattr(layer, "merge")
+                              for layer in self._new_cache())
         self._samplers: dict[int, _Sampler] = {}
         self._compiled: dict[str, str] = {}  # GBNF -> llguidance grammar, most recent last
         self._llg: Any = None
@@ -400,17 +400,25 @@ class MlxBackend:
     def _join_batch(self, seqs: list[int]) -> None:
         if not seqs:
             return
-        for seq in seqs:
-            if seq not in self._caches:
-                self._caches[seq] = self._new_cache()
+        missing = [seq for seq in seqs if seq not in self._caches]
+        if missing:
+            raise BackendError(f"seq {missing[0]} has no cache to decode from")
         joining = [self._caches.pop(seq) for seq in seqs]
-        merged = [type(layers[0]).merge(list(layers)) for layers in zip(*joining, strict=True)]
+        merged = [self._merge_layers(list(layers)) for layers in zip(*joining, strict=True)]
         if self._batch is None:
             self._batch = _DecodeBatch(seqs=list(seqs), cache=merged)
             return
         for layer, extra in zip(self._batch.cache, merged, strict=True):
             layer.extend(extra)
         self._batch.seqs.extend(seqs)
+
+    def _merge_layers(self, layers: list[Any]) -> Any:
+        """One layer's caches of several sessions as one batched cache."""
+        if isinstance(layers[0], self._quantized_cache_class):
+            from butter.backends.mlx_batch import BatchQuantizedKVCache
+
+            return BatchQuantizedKVCache.merge(layers)  # mlx-lm has no batched quantized cache
+        return type(layers[0]).merge(layers)
 
     def _leave_batch(self, seqs: list[int]) -> None:
         """Give these sessions their own caches back (a copy of their rows)."""
