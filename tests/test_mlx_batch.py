@@ -50,3 +50,34 @@ def test_decoding_appends_at_each_rows_own_position() -> None:
     mask = batch.make_mask(1)
     # The next token of row 1 sees its 3 positions and itself, not the 3 padding columns.
     assert mask[1, 0, 0].tolist() == [False] * 3 + [True] * 4
+
+
+def test_mlx_penalties_equal_llama_cpps() -> None:
+    import ctypes
+
+    import llama_cpp as ll
+    import numpy as np
+
+    from butter.backends.llama_cpp import LlamaCppBackend
+    from butter.backends.mlx import penalize
+    from butter.sampling import SamplingParams
+
+    n_vocab, recent = 48, [3, 7, 7, 12, 3, 3, 40]
+    params = SamplingParams(repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.7,
+                            penalty_last_n=64)
+    logits = np.random.default_rng(5).normal(size=n_vocab).astype(np.float32)
+    logits[7] = -abs(logits[7])  # both sides of the repeat penalty's sign rule
+    logits[3] = abs(logits[3])
+    sampler = ll.llama_sampler_init_penalties(n_vocab, params.penalty_last_n,
+                                              params.repeat_penalty, params.frequency_penalty,
+                                              params.presence_penalty)
+    for token in recent:
+        ll.llama_sampler_accept(sampler, token)
+    candidates = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
+                                          ("p", np.float32)])
+    candidates["id"], candidates["logit"] = np.arange(n_vocab), logits
+    ll.llama_sampler_apply(sampler, ctypes.byref(LlamaCppBackend._as_array(candidates)))
+    ll.llama_sampler_free(sampler)
+    ours = np.array(penalize(mx, mx.array(logits), recent, params))
+    assert not np.allclose(candidates["logit"], logits)  # the penalties did something
+    np.testing.assert_allclose(ours, candidates["logit"], rtol=1e-6, atol=1e-6)

@@ -3,16 +3,18 @@ affine-quantized KV caches (tiny MLX model)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import trio
 
 from butter.backends.mlx import MlxBackend
+from butter.chat.grammar import tool_call_grammar
 from butter.model import Model
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
-from butter.testing.tiny_mlx import write_tiny_gemma3_mlx
+from butter.testing.tiny_mlx import write_tiny_gemma3_mlx, write_tiny_qwen35_mlx
 
 PROMPTS = ["The quick brown fox", "Once upon a time", "Numbers: 1, 2, 3", "Boats and the sea"]
 
@@ -159,5 +161,91 @@ async def test_batched_rotating_caches_equal_sequential_runs(tiny_gemma: Path) -
             for i in range(4):
                 nursery.start_soon(lane, i)
         assert [together[i] for i in range(4)] == alone
+    finally:
+        await model.aclose()
+
+
+# ------------------------------------------------------------------ recurrent state
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen35(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_qwen35_mlx(tmp_path_factory.mktemp("qwen35") / "q")
+
+
+async def test_hybrid_recurrent_model_is_served_and_only_extended(tiny_qwen35: Path) -> None:
+    model, backend = await _load(tiny_qwen35)
+    try:
+        assert backend.info.is_recurrent and backend.rewind_limit == 1
+        tokens = backend.tokenize
+        engine = model.resident.engine
+        await _cold(model, "A conversation about boats", 6)
+        (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+        follow_up = [*held, *tokens(" and then", add_bos=False)]
+        expected = await _cold(model, follow_up, 4)
+        await _greedy(model, "A conversation about boats", 6)
+        text, cached = await _greedy(model, follow_up, 4)
+        assert (text, cached) == (expected, len(held))  # the state is extended, exactly
+        text, cached = await _greedy(model, "A conversation about trains", 4)
+        assert cached == 0 and text  # a fork rebuilds (the state cannot be cut back)
+        # Concurrent sessions (each its own forward pass) give the tokens of solo runs.
+        alone = [await _cold(model, p, 8) for p in PROMPTS[:2]]
+        together: dict[int, bytes] = {}
+
+        async def lane(i: int) -> None:
+            together[i] = (await _greedy(model, PROMPTS[i], 8))[0]
+
+        engine.drop_idle_caches()
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(lane, i)
+        assert [together[0], together[1]] == alone
+    finally:
+        await model.aclose()
+
+
+async def test_a_long_session_is_not_batched_with_short_ones(tiny_mlx: Path) -> None:
+    model, backend = await _load(tiny_mlx)
+    try:
+        engine = model.resident.engine
+        long_prompt = backend.tokenize("a long conversation that goes on " * 40, add_bos=False)
+        seen: set[tuple[int, ...]] = set()
+
+        async def lane(prompt: list[int], seed: int) -> None:
+            async with engine.generate(prompt, SamplingParams(seed=seed), 16) as gen:
+                async for _ in gen.pieces():
+                    seen.add(backend.decode_batch)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lane, long_prompt, 0)
+            for i in range(3):
+                nursery.start_soon(lane, backend.tokenize(PROMPTS[i], add_bos=False), i + 1)
+        long_seq = next(s.seq for s in engine._sessions
+                        if len(s.kv_tokens) >= len(long_prompt))
+        widest = max(seen, key=len)
+        assert len(widest) == 3 and long_seq not in widest  # the short ones together...
+        # ...and the long one never joins two or more of them: padded to its length, three
+        # rows would hold more than twice what they need (backends/batching.py).
+        assert all(len(batch) <= 2 for batch in seen if long_seq in batch), seen
+    finally:
+        await model.aclose()
+
+
+async def test_forced_tool_call_starts_with_the_vocabularys_marker_token(tiny_mlx: Path) -> None:
+    tool = {"type": "function", "function": {"name": "noop", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    model, backend = await _load(tiny_mlx)
+    try:
+        prompt = backend.tokenize("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+                                  add_bos=False)
+        params = SamplingParams(seed=1, grammar=tool_call_grammar([tool]))
+        async with model.resident.engine.generate(prompt, params, 40) as gen:
+            pieces = [p async for batch in gen.pieces() for p in batch]
+        # One token for the marker (llguidance's <[id]>), not "<" "tool" "_call" ">".
+        assert pieces[0] == b"<tool_call>"
+        text = b"".join(pieces)
+        assert pieces[-1] == b"</tool_call>" and text.startswith(b"<tool_call>\n")
+        call = json.loads(text.removeprefix(b"<tool_call>\n").removesuffix(b"\n</tool_call>"))
+        assert call == {"name": "noop", "arguments": {}}
     finally:
         await model.aclose()

@@ -30,7 +30,8 @@ def test_candidates_keep_single_rows_and_small_batches_exact() -> None:
     assert candidates(4, decode_only=True) == (Shape.PLAIN,)
     assert candidates(6, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
     assert candidates(8, decode_only=True) == (Shape.PLAIN,)
-    assert candidates(13, decode_only=False) == (Shape.PLAIN, Shape.PADDED)
+    assert candidates(13, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
+    assert candidates(6, decode_only=False) == (Shape.PLAIN,)  # prompt logits stay exact
     assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
 
 
@@ -51,9 +52,8 @@ def test_tries_every_candidate_then_keeps_the_fastest() -> None:
     assert shaper.best(6) is Shape.PADDED
     assert chosen[6:].count(Shape.PLAIN) == 1  # one fresh look at the loser per 50 steps
     assert chosen[6 + 50] is Shape.PLAIN
-    # Prompt steps with as many outputs borrow the verdict; other counts are untouched.
-    assert shaper.choose(6, decode_only=False) is Shape.PADDED
-    assert shaper.choose(7, decode_only=False) is Shape.PLAIN
+    # Steps with prompt rows are never reshaped.
+    assert shaper.choose(6, decode_only=False) is Shape.PLAIN
 
 
 def test_follows_a_change_in_costs() -> None:

@@ -115,6 +115,7 @@ class LlamaCppBackend:
         self.rewind_limit = 1 if self.info.is_recurrent else None
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.shaper = StepShaper(enabled=step_shaping)
+        self._decode_seconds = 0.0  # llama_decode time of the current step
         self._samplers: dict[int, Any] = {}
         self._grammars: dict[int, Any] = {}
         self._vocab_ids = np.arange(self.info.n_vocab, dtype=np.int32)
@@ -239,20 +240,22 @@ class LlamaCppBackend:
         decode_only = not any(work.prompt for work in works)
         outputs = sum(1 for work in works if work.sample)
         shape = self.shaper.choose(outputs, decode_only=decode_only)
-        started = time.perf_counter()
+        self._decode_seconds = 0.0
         if shape is Shape.SPLIT:
             sampled = [s for work in works for s in self._decode([work], outputs=0)]
         else:
             wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
             sampled = self._decode(works, outputs=wanted)
-        if decode_only:
-            self.shaper.observe(outputs, shape, time.perf_counter() - started)
+        if decode_only:  # the decodes only: sampling costs the same in every shape
+            self.shaper.observe(outputs, shape, self._decode_seconds)
         return sampled
 
     def _decode(self, works: list[SeqWork], *, outputs: int) -> list[Sampled]:
         """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
         sample_rows, padded = self._fill_batch(works, outputs=outputs)
+        started = time.perf_counter()
         status = ll.llama_decode(self._ctx, self._batch)
+        self._decode_seconds += time.perf_counter() - started
         if padded:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
         if status != 0:

@@ -8,18 +8,25 @@ Batching: the sessions that decode in a step share one forward pass. Their cache
 merged into mlx-lm's batched caches (`BatchKVCache`, the structure its BatchGenerator
 decodes with: rows left-padded to a common length, masked), and stay merged while they keep
 decoding; a session leaves the batch (`extract`) when it stops decoding or the engine edits
-its cache. Prompt chunks run per session (their lengths and starting positions differ), and
-models whose caches mlx-lm cannot merge, or quantized caches, decode per session.
+its cache. Only sessions of similar lengths batch (backends/batching.py: padding at most
+doubles their KV). Prompt chunks run per session (their lengths and starting positions
+differ), and so do models with recurrent layers.
 
 `--kv-cache affine8|affine4` use mlx-lm's `QuantizedKVCache` (affine quantization, 8 or 4
-bits) for every layer whose cache is a plain KV cache.
+bits) for every layer whose cache is a plain KV cache, batched through butter's own
+BatchQuantizedKVCache (backends/mlx_batch.py). Every call into mlx runs on one thread
+owned by the backend.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections import Counter, deque
+import logging
+import threading
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +43,13 @@ from butter.backends.base import (
     SeqWork,
     ShiftPositions,
 )
+from butter.backends.batching import choose_batch
 from butter.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from butter.errors import ModelLoadError
 from butter.kv import GGML_Q4_0, GGML_Q8_0, KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
+
+log = logging.getLogger("butter")
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -82,6 +92,23 @@ class _Sampler:
         self.recent = deque(maxlen=None if last_n < 0 else last_n)
 
 
+def penalize(mx: Any, logits: Any, recent: Iterable[int], params: SamplingParams) -> Any:
+    """llama.cpp's penalties over `recent` (the tokens the request generated, its last n):
+    repeat divides a positive logit and multiplies a negative one, frequency subtracts per
+    occurrence, presence once per token."""
+    counts = Counter(recent)
+    if not counts:
+        return logits
+    ids = mx.array(list(counts))
+    seen = logits[ids].astype(mx.float32)
+    seen = mx.where(seen <= 0, seen * params.repeat_penalty, seen / params.repeat_penalty)
+    seen = (seen - mx.array(list(counts.values()), dtype=mx.float32)
+            * params.frequency_penalty - params.presence_penalty)
+    penalized = logits.astype(mx.float32)
+    penalized[ids] = seen
+    return penalized
+
+
 GRAMMAR_CACHE_SIZE = 32  # compiled grammars kept (agents resend the same tools each turn)
 
 
@@ -106,31 +133,50 @@ class MlxBackend:
             raise ModelLoadError(
                 f"{path} is an MLX / HuggingFace checkpoint, which needs the mlx extra: "
                 "pip install 'butter-serve[mlx]'") from None
-        self._mx, self._make_cache, self._trim = mx, make_prompt_cache, trim_prompt_cache
+        self._mx, self._make_cache = mx, make_prompt_cache
+        self._trim: Any = trim_prompt_cache  # -> positions actually cut
         self._kv_cache_class, self._quantized_cache_class = KVCache, QuantizedKVCache
         try:
             loaded = load(str(path))
             self._model, self._tokenizer = loaded[0], loaded[1]
         except Exception as exc:  # mlx-lm raises many kinds; all mean "cannot load this"
             raise ModelLoadError(f"mlx-lm could not load {path}: {exc}") from None
-        self._config = json.loads((path / "config.json").read_text())
-        self._kv_bits = _quantized_kv(kv_type or parse_kv_cache("raw"))
-        self._kv_group = self._quantization_group()
-        self.kv_type = self._describe_kv(kv_type or parse_kv_cache("raw"))
+        raw_config = json.loads((path / "config.json").read_text())
+        # Multimodal checkpoints (e.g. Qwen3.5) nest the language model's under text_config.
+        self._config = {**raw_config, **raw_config.get("text_config", {})}
+        kv_type = kv_type or parse_kv_cache("raw")
+        self._kv_bits = _quantized_kv(kv_type)
+        group = self._quantization_group()
+        if self._kv_bits is not None and group is None:
+            log.warning("--kv-cache %s: head size %d is not a multiple of 32, which mlx's "
+                        "quantization needs; using raw", kv_type.requested, self._head_dim)
+            self._kv_bits, kv_type = None, parse_kv_cache("raw")
+        self._kv_group = group or 64
+        self.kv_type = self._describe_kv(kv_type)
         self.info = self._read_info(path)
         self.n_cells = n_cells
         self.n_seq = n_seq
         self.can_shift = False
-        # mlx-lm's sliding-window caches rotate once full; from then on they cannot be cut.
-        windows = [int(layer.max_size) for layer in self._make_cache(self._model)
-                   if hasattr(layer, "max_size")]
-        self.rewind_limit = min(windows) if windows else None
+        fresh = self._make_cache(self._model)
+        # Recurrent layers (mlx-lm's ArraysCache, e.g. Qwen3.5's linear attention) hold a
+        # state that cannot be cut back at all; sliding-window caches rotate once full and
+        # cannot be cut from then on.
+        self._recurrent = any(not layer.is_trimmable() for layer in fresh)
+        windows = [int(layer.max_size) for layer in fresh if hasattr(layer, "max_size")]
+        self.rewind_limit = 1 if self._recurrent else min(windows) if windows else None
+        self.info = attrs.evolve(self.info, is_recurrent=self._recurrent)
         self._caches: dict[int, list[Any]] = {}
+        self._lengths: dict[int, int] = {}  # positions each session's cache holds
         self._batch: _DecodeBatch | None = None
-        self._can_batch = all(isinstance(layer, QuantizedKVCache) or hasattr(layer, "merge")
-                              for layer in self._new_cache())
+        self._can_batch = not self._recurrent and all(
+            isinstance(layer, QuantizedKVCache) or hasattr(layer, "merge")
+            for layer in self._new_cache())
+        # mlx ties unevaluated arrays to the thread that built them: every step runs on
+        # this one thread, whichever worker thread the engine calls from.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="butter-mlx")
+        self._grammar_lock = threading.Lock()
         self._samplers: dict[int, _Sampler] = {}
-        self._compiled: dict[str, str] = {}  # GBNF -> llguidance grammar, most recent last
+        self._compiled: OrderedDict[str, str] = OrderedDict()  # GBNF -> grammar, LRU last
         self._llg: Any = None
         self._eog = set(self._tokenizer.eos_token_ids)
         self._special = set(self._tokenizer.all_special_ids)
@@ -158,9 +204,9 @@ class MlxBackend:
         return int(config.get("head_dim")
                    or config["hidden_size"] // config["num_attention_heads"])
 
-    def _quantization_group(self) -> int:
-        """mlx quantizes in groups of 32, 64 or 128 elements along the head dimension."""
-        return 64 if self._head_dim % 64 == 0 else 32
+    def _quantization_group(self) -> int | None:
+        """mlx quantizes in groups of 64, 128 or 32 elements along the head dimension."""
+        return next((group for group in (64, 128, 32) if self._head_dim % group == 0), None)
 
     def _describe_kv(self, kv_type: KvCacheType) -> KvCacheType:
         if self._kv_bits is None:
@@ -185,9 +231,11 @@ class MlxBackend:
 
     def _grammar(self, gbnf: str) -> str:
         """The GBNF as an llguidance grammar, checked; ValueError when it is not usable."""
-        compiled = self._compiled.get(gbnf)
-        if compiled is not None:
-            return compiled
+        with self._grammar_lock:
+            compiled = self._compiled.get(gbnf)
+            if compiled is not None:
+                self._compiled.move_to_end(gbnf)
+                return compiled
         try:
             from llguidance import LLMatcher
             from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
@@ -202,9 +250,10 @@ class MlxBackend:
         problem = LLMatcher.validate_grammar(compiled, self._llg_tokenizer())
         if problem:
             raise ValueError(f"the grammar could not be used: {problem}")
-        if len(self._compiled) >= GRAMMAR_CACHE_SIZE:
-            self._compiled.pop(next(iter(self._compiled)))
-        self._compiled[gbnf] = compiled
+        with self._grammar_lock:
+            self._compiled[gbnf] = compiled
+            while len(self._compiled) > GRAMMAR_CACHE_SIZE:
+                self._compiled.popitem(last=False)
         return compiled
 
     def _native_markers(self, lark: str) -> str:
@@ -270,23 +319,31 @@ class MlxBackend:
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
         if self._closed:
             raise BackendError("the model was unloaded")
-        for op in ops:
-            self._apply(op)
-        decoding = [work for work in works if not work.prompt]
-        logits: dict[int, Any] = {}
-        if self._can_batch and (len(decoding) > 1 or self._batch is not None):
-            logits.update(self._decode_batched(decoding))
-        for work in works:
-            if work.seq not in logits:
-                logits[work.seq] = self._forward(work)
-        sampled = [self._sample(work.seq, logits[work.seq]) for work in works if work.sample]
+        return self._thread.submit(self._step, ops, works).result()
+
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        try:
+            for op in ops:
+                self._apply(op)
+            decoding = [work for work in works if not work.prompt]
+            logits: dict[int, Any] = {}
+            if self._can_batch and decoding:
+                logits.update(self._decode_batched(decoding))
+            for work in works:
+                if work.seq not in logits:
+                    logits[work.seq] = self._forward(work)
+            sampled = [self._sample(work.seq, logits[work.seq])
+                       for work in works if work.sample]
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
+                self._settle()
+            raise
         self._settle()
         return sampled
 
     def _settle(self) -> None:
-        """Evaluate every lazy array this step left behind (merged, filtered or copied caches,
-        sampler keys): mlx ties an unevaluated array to the thread that built it, and the
-        next step may run on another worker thread."""
+        """Evaluate every lazy array the step left behind (merged, filtered or copied caches,
+        sampler keys), so that no graph grows from step to step."""
         batch = [] if self._batch is None else [self._batch.cache]
         self._mx.eval(
             [layer.state for cache in (*self._caches.values(), *batch) for layer in cache],
@@ -296,16 +353,20 @@ class MlxBackend:
     def _apply(self, op: KvOp) -> None:
         if isinstance(op, RemoveTokens):
             cache = self._own_cache(op.seq)
+            length = self._lengths.get(op.seq, 0)
             if cache is None or op.start <= 0:
-                self._caches[op.seq] = self._new_cache()
-            else:
-                end = self._offset(cache) if op.end < 0 else op.end
-                if end != self._offset(cache):
+                self._caches[op.seq], self._lengths[op.seq] = self._new_cache(), 0
+            elif op.start < length:
+                end = length if op.end < 0 else op.end
+                if end != length:
                     raise BackendError("MLX caches can only drop their most recent positions")
-                self._trim(cache, end - op.start)
+                if self._trim(cache, end - op.start) != end - op.start:
+                    raise BackendError(f"seq {op.seq}'s cache cannot be cut back to {op.start}")
+                self._lengths[op.seq] = op.start
         elif isinstance(op, CopyPrefix):
             self._leave_batch([op.dst])
             self._caches[op.dst] = self._copy(self._read_cache(op.src), op.length)
+            self._lengths[op.dst] = op.length
         elif isinstance(op, ShiftPositions):
             raise BackendError("MLX caches cannot shift positions")
         else:
@@ -332,9 +393,10 @@ class MlxBackend:
             return [layer.extract(row) for layer in batch.cache]
         return self._caches[seq]
 
-    @staticmethod
-    def _offset(cache: list[Any]) -> int:
-        return int(cache[0].offset)
+    def _check_position(self, work: SeqWork) -> None:
+        length = self._lengths.get(work.seq, 0)
+        if length != work.start:
+            raise BackendError(f"seq {work.seq} is at {length}, not {work.start}")
 
     def _copy(self, donor: list[Any], length: int) -> list[Any]:
         fresh = self._new_cache()
@@ -355,11 +417,11 @@ class MlxBackend:
         cache = self._own_cache(work.seq)
         if cache is None:
             cache = self._caches[work.seq] = self._new_cache()
-        if self._offset(cache) != work.start:
-            raise BackendError(f"seq {work.seq} is at {self._offset(cache)}, not {work.start}")
+        self._check_position(work)
         inputs = self._mx.array([list(work.tokens)])
         logits = self._model(inputs, cache=cache)[0, -1]
-        self._mx.eval(logits, [layer.keys_and_values() for layer in cache])
+        self._mx.eval(logits, [layer.state for layer in cache])
+        self._lengths[work.seq] = work.start + len(work.tokens)
         return logits
 
     # ------------------------------------------------------------------ the decode batch
@@ -376,8 +438,11 @@ class MlxBackend:
         return sum(int(layer.nbytes) for layer in self._read_cache(seq))
 
     def _decode_batched(self, works: list[SeqWork]) -> dict[int, Any]:
-        """One forward pass for every decoding session; logits by seq."""
-        wanted = [work.seq for work in works]
+        """One forward pass for the decoding sessions that batch well; logits by seq
+        (the others decode on their own)."""
+        for work in works:
+            self._check_position(work)
+        wanted = choose_batch({work.seq: work.start for work in works})
         members = self._batch.seqs if self._batch is not None else []
         self._leave_batch([seq for seq in members if seq not in wanted])
         self._join_batch([seq for seq in wanted if seq not in members])
@@ -386,15 +451,13 @@ class MlxBackend:
             return {}
         mx = self._mx
         rows = {seq: row for row, seq in enumerate(batch.seqs)}
-        positions = batch.cache[0].offset.tolist()
         tokens = [0] * len(batch.seqs)
         for work in works:
-            if positions[rows[work.seq]] != work.start:
-                raise BackendError(
-                    f"seq {work.seq} is at {positions[rows[work.seq]]}, not {work.start}")
-            tokens[rows[work.seq]] = work.tokens[0]
+            if work.seq in rows:
+                tokens[rows[work.seq]] = work.tokens[0]
+                self._lengths[work.seq] = work.start + 1
         logits = self._model(mx.array(tokens)[:, None], cache=batch.cache)[:, -1]
-        mx.eval(logits, [(layer.keys_and_values(), layer.offset) for layer in batch.cache])
+        mx.eval(logits, [layer.state for layer in batch.cache])
         return {seq: logits[row] for seq, row in rows.items()}
 
     def _join_batch(self, seqs: list[int]) -> None:
@@ -451,27 +514,13 @@ class MlxBackend:
             sampler.key, draw = mx.random.split(sampler.key)
             token = int(mx.random.categorical(self._filtered(logits, params), key=draw).item())
         sampler.recent.append(token)
-        if sampler.matcher is not None:
-            sampler.matcher.consume_token(token)
+        if sampler.matcher is not None and not sampler.matcher.consume_token(token):
+            raise BackendError(f"grammar matcher failed: {sampler.matcher.get_error()}")
         return Sampled(seq=seq, token=token, piece=self._piece(token),
                        end_of_generation=token in self._eog)
 
     def _penalized(self, logits: Any, sampler: _Sampler) -> Any:
-        """llama.cpp's penalties over the tokens this request generated (its last n):
-        repeat divides a positive logit (multiplies a negative one), frequency subtracts
-        per occurrence, presence once per token."""
-        counts = Counter(sampler.recent)
-        if not counts:
-            return logits
-        mx, params = self._mx, sampler.params
-        ids = mx.array(list(counts))
-        seen = logits[ids].astype(mx.float32)
-        seen = mx.where(seen <= 0, seen * params.repeat_penalty, seen / params.repeat_penalty)
-        seen = (seen - mx.array(list(counts.values()), dtype=mx.float32)
-                * params.frequency_penalty - params.presence_penalty)
-        penalized = logits.astype(mx.float32)
-        penalized[ids] = seen
-        return penalized
+        return penalize(self._mx, logits, sampler.recent, sampler.params)
 
     def _filtered(self, logits: Any, params: SamplingParams) -> Any:
         """Temperature, then top-k, top-p and min-p masks (llama.cpp's order of effect)."""
@@ -493,7 +542,12 @@ class MlxBackend:
 
     def close(self) -> None:
         self._closed = True
+        self._thread.submit(self._release).result()  # after a step in flight, if any
+        self._thread.shutdown()
+
+    def _release(self) -> None:
         self._caches.clear()
+        self._lengths.clear()
         self._batch = None
         self._samplers.clear()
         self._model = None  # drop the weights now, not whenever this object goes

@@ -7,15 +7,16 @@ not scale smoothly with the number of output rows. Measured on 2 cores with the 
 21.9 ms. So a step can be evaluated in one of three shapes:
 
 - PLAIN: the rows as they are;
-- PADDED: logits requested for extra rows (scratch rows, or prompt rows that need none) up
-  to the next multiple of 8, so that the projection runs on the batched kernels;
+- PADDED: logits requested on scratch rows up to the next multiple of 8, so that the
+  projection runs on the batched kernels;
 - SPLIT: one decode per row (decode-only steps of 2-3 rows).
 
 Which one wins depends on the hardware and the model, so the shaper times the candidates
-on decode-only steps (same rows, different layout), keeps the fastest, and revisits the
-others now and then. Candidates are limited so that results stay exact where they were:
-a single row is always PLAIN; SPLIT evaluates each row as it would be alone; PADDED is
-only offered from 5 rows of a group of 8, where rows already share batched kernels.
+on decode-only steps (the llama_decode calls only, same rows, different layout), keeps the
+fastest, and revisits the others now and then. Candidates are limited so that results stay
+exact where they were: steps with prompt rows and single rows are always PLAIN; SPLIT
+evaluates each row as it would be alone; PADDED is only offered from 5 rows of a group of
+8, where rows already share batched kernels.
 """
 
 from __future__ import annotations
@@ -37,10 +38,12 @@ class Shape(Enum):
 
 def candidates(outputs: int, *, decode_only: bool) -> tuple[Shape, ...]:
     """The shapes worth trying for a step that samples `outputs` rows."""
+    if not decode_only:
+        return (Shape.PLAIN,)
     shapes = [Shape.PLAIN]
     if outputs % PAD_MULTIPLE >= MIN_PADDED_REMAINDER:
         shapes.append(Shape.PADDED)
-    if decode_only and 2 <= outputs <= MAX_SPLIT_ROWS:
+    if 2 <= outputs <= MAX_SPLIT_ROWS:
         shapes.append(Shape.SPLIT)
     return tuple(shapes)
 
@@ -62,13 +65,11 @@ class StepShaper:
         self._since_revisit: dict[int, int] = {}
 
     def choose(self, outputs: int, *, decode_only: bool) -> Shape:
-        if not self.enabled:
+        if not self.enabled or not decode_only:
+            # Steps with prompt rows stay as they are: padding their outputs would put a
+            # prompt's first logits on other kernels than a cold prefill's (the guarantee
+            # in llama_cpp.MIN_PROMPT_ROWS).
             return Shape.PLAIN
-        if not decode_only:
-            # Mixed steps vary too much to time; they borrow the decode-only verdict on
-            # padding (the projection is the same), never SPLIT.
-            best = self.best(outputs)
-            return Shape.PADDED if best is Shape.PADDED else Shape.PLAIN
         options = candidates(outputs, decode_only=True)
         if len(options) == 1:
             return options[0]
@@ -94,14 +95,14 @@ class StepShaper:
     def best(self, outputs: int) -> Shape | None:
         """The fastest measured candidate, or None before every one has its trials."""
         options = candidates(outputs, decode_only=True)
-        timed = {s: self._timings(outputs, s) for s in options}
+        timed = {s: self._times.get((outputs, s), ()) for s in options}
         if any(len(t) < self.trials for t in timed.values()):
             return None
         return min(options, key=lambda s: statistics.median(timed[s]))
 
     def verdicts(self) -> dict[int, str]:
         """The chosen shape per output-row count that has a choice, for /v1/server."""
-        counts = sorted({outputs for outputs, _ in self._times})
+        counts = sorted({outputs for outputs, _ in list(self._times)})  # (a worker adds keys)
         chosen = {outputs: self.best(outputs) for outputs in counts}
         return {outputs: shape.value for outputs, shape in chosen.items() if shape is not None}
 

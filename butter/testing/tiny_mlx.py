@@ -1,5 +1,6 @@
-"""Tiny random-weight Qwen3 and Gemma 3 text models in MLX / HuggingFace layout, for MLX
-backend tests (Gemma 3's sliding-window layers get mlx-lm's rotating caches).
+"""Tiny random-weight Qwen3, Gemma 3 text and Qwen3.5 models in MLX / HuggingFace layout, for
+MLX backend tests (Gemma 3's sliding-window layers get mlx-lm's rotating caches, Qwen3.5's
+linear-attention layers recurrent state).
 
 config.json + model.safetensors (saved by mlx from `mlx_lm.models.qwen3.Model`'s own
 parameters) + the same byte-level BPE tokenizer as the tiny GGUF, with ChatML specials and
@@ -51,6 +52,20 @@ def tiny_gemma3_config(sliding_window: int = 16) -> dict[str, object]:
     }
 
 
+def tiny_qwen35_config() -> dict[str, object]:
+    """Qwen3.5's hybrid layout, text config nested as in the hub's checkpoints: linear
+    attention layers (recurrent state, mlx-lm's ArraysCache) between full attention ones."""
+    return {"model_type": "qwen3_5", "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": N_EMBD, "num_hidden_layers": 4,
+        "intermediate_size": N_FF, "num_attention_heads": N_HEAD,
+        "num_key_value_heads": N_HEAD_KV, "head_dim": HEAD_DIM, "rms_norm_eps": RMS_EPS,
+        "vocab_size": len(tiny_vocab()), "linear_num_value_heads": N_HEAD,
+        "linear_num_key_heads": N_HEAD_KV, "linear_key_head_dim": HEAD_DIM,
+        "linear_value_head_dim": HEAD_DIM, "full_attention_interval": 2,
+        "max_position_embeddings": 4096,
+    }}
+
+
 def write_tiny_qwen3_mlx(path: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
     """Write the model directory and return it."""
     from mlx_lm.models.qwen3 import Model, ModelArgs
@@ -67,6 +82,13 @@ def write_tiny_gemma3_mlx(path: str | os.PathLike[str], *, seed: int = 0,
                   seed)
 
 
+def write_tiny_qwen35_mlx(path: str | os.PathLike[str], *, seed: int = 0) -> pathlib.Path:
+    """A tiny random Qwen3.5 model (hybrid: recurrent and attention layers)."""
+    from mlx_lm.models.qwen3_5 import Model, ModelArgs
+
+    return _write(pathlib.Path(path), tiny_qwen35_config(), Model, ModelArgs, seed)
+
+
 def _write(target: pathlib.Path, config: dict[str, object], model_class: type,
            args_class: type, seed: int) -> pathlib.Path:
     import mlx.core as mx
@@ -81,7 +103,7 @@ def _write(target: pathlib.Path, config: dict[str, object], model_class: type,
     (target / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-        "add_bos_token": False, "model_max_length": config["max_position_embeddings"],
+        "add_bos_token": False, "model_max_length": 4096,
     }, indent=1))
     (target / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tiny_special("<|im_end|>"), tiny_special("<|endoftext|>")]}))
