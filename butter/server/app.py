@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -48,6 +49,13 @@ class HttpLimits:
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     stream_flush: float = 0.0
     api_key: str | None = None
+
+
+async def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest
+                  ) -> chat_completions.PreparedChat:
+    """Render, tokenize and check a request on a worker thread: long prompts, big tool
+    schemas and grammar compilation would otherwise stall every stream on the event loop."""
+    return await trio.to_thread.run_sync(chat_completions.prepare, resident, request)
 
 
 def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> QuartTrio:
@@ -144,7 +152,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         chat_request = openai.parse_chat_request(await _json_body())
         check_messages(len(chat_request.messages))
         resident = await backend.resident_for(chat_request.model)
-        prepared = chat_completions.prepare(resident, chat_request)
+        prepared = await prepare(resident, chat_request)
         watch = observer("/v1/chat/completions")
         if not chat_request.stream:
             return _json(await chat_completions.complete(resident, prepared, watch))
@@ -161,7 +169,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         check_messages(len(messages_request.messages))
         chat_request = anthropic.to_chat_request(messages_request)
         resident = await backend.resident_for(chat_request.model)
-        prepared = chat_completions.prepare(resident, chat_request)
+        prepared = await prepare(resident, chat_request)
         watch = observer("/v1/messages")
         if not messages_request.stream:
             return _json(await messages.create(resident, prepared, watch))
@@ -177,7 +185,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         )
         resident = backend.current  # counting never swaps models
         _check_model(resident, chat_request.model)
-        prepared = chat_completions.prepare(resident, chat_request)
+        prepared = await prepare(resident, chat_request)
         return _json({"input_tokens": len(prepared.prompt)})
 
     return app
