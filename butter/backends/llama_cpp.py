@@ -93,6 +93,7 @@ class LlamaCppBackend:
         _init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
+        self._freeing = threading.Lock()  # close() vs tokenize() on other threads
         self._model = self._load_model(path)
         self._vocab = ll.llama_model_get_vocab(self._model)
         try:
@@ -208,7 +209,11 @@ class LlamaCppBackend:
             raise BackendError("the model was unloaded")
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        self._check_open()
+        with self._freeing:  # requests are prepared on worker threads, beside a close
+            self._check_open()
+            return self._tokenize(text, add_bos=add_bos)
+
+    def _tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         data = text.encode("utf-8")
         capacity = len(data) + 8
         tokens = (ll.llama_token * capacity)()
@@ -388,11 +393,12 @@ class LlamaCppBackend:
 
     def check_grammar(self, grammar: str) -> None:
         """Raise ValueError if llama.cpp cannot parse this GBNF (before it reaches a step)."""
-        self._check_open()
-        sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
-        if not sampler:
-            raise ValueError("llama.cpp rejected the grammar")
-        ll.llama_sampler_free(sampler)
+        with self._freeing:
+            self._check_open()
+            sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
+            if not sampler:
+                raise ValueError("llama.cpp rejected the grammar")
+            ll.llama_sampler_free(sampler)
 
     def _set_sampler(self, seq: int, params: SamplingParams) -> None:
         for table in (self._samplers, self._grammars):
@@ -434,6 +440,10 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
+        with self._freeing:
+            self._free()
+
+    def _free(self) -> None:
         for table in (self._samplers, self._grammars):
             for sampler in table.values():
                 ll.llama_sampler_free(sampler)
