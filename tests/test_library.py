@@ -122,3 +122,18 @@ def test_the_example_runs(tiny_gguf: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "generate:" in result.stdout and "http:" in result.stdout
     assert "finish=length" in result.stdout
+
+
+async def test_a_request_prepared_while_its_model_unloads_gets_model_replaced(
+        tiny_gguf: Path) -> None:
+    from butter.errors import ModelReplaced
+    from butter.protocol import openai as wire
+    from butter.server.app import prepare
+
+    loaded = await butter.Model.load(str(tiny_gguf), parallel=1, max_context=512)
+    resident = loaded.resident
+    request = wire.parse_chat_request({"model": "tiny", "messages": MESSAGES})
+    assert (await prepare(resident, request)).prompt  # while loaded
+    await loaded.aclose()  # what a swap does to the old model
+    with pytest.raises(ModelReplaced):  # a 503 in the API's shape, not a 500
+        await prepare(resident, request)

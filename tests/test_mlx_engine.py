@@ -249,3 +249,30 @@ async def test_forced_tool_call_starts_with_the_vocabularys_marker_token(tiny_ml
         assert call == {"name": "noop", "arguments": {}}
     finally:
         await model.aclose()
+
+
+async def test_a_grammar_failure_ends_only_its_own_request(
+        tiny_mlx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, backend = await _load(tiny_mlx)
+    # Let the constrained request sample freely, so its grammar rejects a token.
+    monkeypatch.setattr(backend, "_allowed", lambda matcher, logits: logits)
+    tool = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
+    try:
+        engine = model.resident.engine
+        finished: dict[str, tuple[str | None, int]] = {}
+
+        async def run(name: str, params: SamplingParams) -> None:
+            prompt = backend.tokenize(f"{name}: tell me about boats", add_bos=False)
+            async with engine.generate(prompt, params, 24) as gen:
+                async for _ in gen.pieces():
+                    pass
+            finished[name] = (gen.finish_reason, gen.completion_tokens)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run, "constrained", SamplingParams(
+                temperature=0, grammar=tool_call_grammar([tool])))
+            nursery.start_soon(run, "plain", SamplingParams(seed=3, temperature=0.1))
+        assert finished["constrained"][0] == "error"
+        assert finished["plain"][0] in ("length", "stop")  # the sibling was untouched
+    finally:
+        await model.aclose()

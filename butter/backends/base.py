@@ -78,6 +78,7 @@ class Sampled:
     token: int
     piece: bytes
     end_of_generation: bool
+    error: str | None = None  # this sequence alone failed (e.g. its grammar): end it
 
 
 class BackendError(Exception):

@@ -260,6 +260,7 @@ class LlamaCppBackend:
         sample_rows, padded = self._fill_batch(works, outputs=outputs)
         started = time.perf_counter()
         status = ll.llama_decode(self._ctx, self._batch)
+        ll.llama_synchronize(self._ctx)  # GPU builds return before the work is done
         self._decode_seconds += time.perf_counter() - started
         if padded:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)

@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -118,8 +118,9 @@ def _quantized_kv(kv_type: KvCacheType) -> int | None:
 
 
 class MlxBackend:
-    def __init__(self, path: Path, *, n_cells: int, n_seq: int,
+    def __init__(self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int,
                  kv_type: KvCacheType | None = None) -> None:
+        """`n_cells` may be a function of the trained context (known only from the config)."""
         try:
             import mlx.core as mx
             from mlx_lm import load
@@ -154,7 +155,7 @@ class MlxBackend:
         self._kv_group = group or 64
         self.kv_type = self._describe_kv(kv_type)
         self.info = self._read_info(path)
-        self.n_cells = n_cells
+        self.n_cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
         self.n_seq = n_seq
         self.can_shift = False
         fresh = self._make_cache(self._model)
@@ -205,8 +206,9 @@ class MlxBackend:
                    or config["hidden_size"] // config["num_attention_heads"])
 
     def _quantization_group(self) -> int | None:
-        """mlx quantizes in groups of 64, 128 or 32 elements along the head dimension."""
-        return next((group for group in (64, 128, 32) if self._head_dim % group == 0), None)
+        """mlx quantizes in groups of 32, 64 or 128 elements along the head dimension; 64
+        (mlx-lm's default) when it divides the head size, else 32."""
+        return next((group for group in (64, 32) if self._head_dim % group == 0), None)
 
     def _describe_kv(self, kv_type: KvCacheType) -> KvCacheType:
         if self._kv_bits is None:
@@ -317,11 +319,16 @@ class MlxBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
-        if self._closed:
-            raise BackendError("the model was unloaded")
-        return self._thread.submit(self._step, ops, works).result()
+        try:
+            return self._thread.submit(self._step, ops, works).result()
+        except RuntimeError as exc:  # the executor shut down: the model is gone
+            if self._closed:
+                raise BackendError("the model was unloaded") from None
+            raise exc
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        if self._closed:
+            raise BackendError("the model was unloaded")
         try:
             for op in ops:
                 self._apply(op)
@@ -352,9 +359,13 @@ class MlxBackend:
 
     def _apply(self, op: KvOp) -> None:
         if isinstance(op, RemoveTokens):
+            if op.start <= 0:  # the whole sequence: no need to copy its row out first
+                self._forget_row(op.seq)
+                self._caches[op.seq], self._lengths[op.seq] = self._new_cache(), 0
+                return
             cache = self._own_cache(op.seq)
             length = self._lengths.get(op.seq, 0)
-            if cache is None or op.start <= 0:
+            if cache is None:
                 self._caches[op.seq], self._lengths[op.seq] = self._new_cache(), 0
             elif op.start < length:
                 end = length if op.end < 0 else op.end
@@ -364,7 +375,7 @@ class MlxBackend:
                     raise BackendError(f"seq {op.seq}'s cache cannot be cut back to {op.start}")
                 self._lengths[op.seq] = op.start
         elif isinstance(op, CopyPrefix):
-            self._leave_batch([op.dst])
+            self._forget_row(op.dst)  # about to be overwritten
             self._caches[op.dst] = self._copy(self._read_cache(op.src), op.length)
             self._lengths[op.dst] = op.length
         elif isinstance(op, ShiftPositions):
@@ -429,13 +440,17 @@ class MlxBackend:
     @property
     def decode_batch(self) -> tuple[int, ...]:
         """The sessions whose decodes share one forward pass now."""
-        return () if self._batch is None else tuple(self._batch.seqs)
+        batch = self._batch  # (read once: a step may replace it meanwhile)
+        return () if batch is None else tuple(batch.seqs)
 
     def cached_bytes(self, seq: int) -> int:
         """Bytes of KV state the session holds (its row of the batch, if batched)."""
-        if seq not in self._caches and seq not in self.decode_batch:
-            return 0
-        return sum(int(layer.nbytes) for layer in self._read_cache(seq))
+        def measure() -> int:
+            if seq not in self._caches and seq not in self.decode_batch:
+                return 0
+            return sum(int(layer.nbytes) for layer in self._read_cache(seq))
+
+        return self._thread.submit(measure).result()  # mlx work stays on the mlx thread
 
     def _decode_batched(self, works: list[SeqWork]) -> dict[int, Any]:
         """One forward pass for the decoding sessions that batch well; logits by seq
@@ -456,8 +471,16 @@ class MlxBackend:
             if work.seq in rows:
                 tokens[rows[work.seq]] = work.tokens[0]
                 self._lengths[work.seq] = work.start + 1
-        logits = self._model(mx.array(tokens)[:, None], cache=batch.cache)[:, -1]
-        mx.eval(logits, [layer.state for layer in batch.cache])
+        try:
+            logits = self._model(mx.array(tokens)[:, None], cache=batch.cache)[:, -1]
+            mx.eval(logits, [layer.state for layer in batch.cache])
+        except BaseException:
+            # Its caches may be half-updated: drop the batch (the engine drops these
+            # sessions, every one of which was in the failed step).
+            self._batch = None
+            for seq in batch.seqs:
+                self._lengths[seq] = 0
+            raise
         return {seq: logits[row] for seq, row in rows.items()}
 
     def _join_batch(self, seqs: list[int]) -> None:
@@ -483,6 +506,19 @@ class MlxBackend:
             return BatchQuantizedKVCache.merge(layers)  # mlx-lm has no batched quantized cache
         return type(layers[0]).merge(layers)
 
+    def _forget_row(self, seq: int) -> None:
+        """Take a session out of the batch without keeping its cache."""
+        batch = self._batch
+        if batch is None or seq not in batch.seqs:
+            return
+        keep = [row for row, member in enumerate(batch.seqs) if member != seq]
+        if not keep:
+            self._batch = None
+            return
+        for layer in batch.cache:
+            layer.filter(keep)
+        batch.seqs = [batch.seqs[row] for row in keep]
+
     def _leave_batch(self, seqs: list[int]) -> None:
         """Give these sessions their own caches back (a copy of their rows)."""
         batch = self._batch
@@ -507,6 +543,8 @@ class MlxBackend:
         if params.uses_penalties:
             logits = self._penalized(logits, sampler)
         if sampler.matcher is not None:
+            if sampler.matcher.is_error():
+                return self._grammar_failed(seq)
             logits = self._allowed(sampler.matcher, logits)
         if params.greedy:
             token = int(mx.argmax(logits).item())
@@ -515,9 +553,16 @@ class MlxBackend:
             token = int(mx.random.categorical(self._filtered(logits, params), key=draw).item())
         sampler.recent.append(token)
         if sampler.matcher is not None and not sampler.matcher.consume_token(token):
-            raise BackendError(f"grammar matcher failed: {sampler.matcher.get_error()}")
+            return self._grammar_failed(seq)
         return Sampled(seq=seq, token=token, piece=self._piece(token),
                        end_of_generation=token in self._eog)
+
+    def _grammar_failed(self, seq: int) -> Sampled:
+        """End this request alone (llguidance hit a limit or rejected the token)."""
+        matcher = self._samplers[seq].matcher
+        log.warning("grammar matcher failed on seq %d: %s", seq, matcher.get_error()[:500])
+        return Sampled(seq=seq, token=-1, piece=b"", end_of_generation=True,
+                       error="the output grammar could not be followed (see the server log)")
 
     def _penalized(self, logits: Any, sampler: _Sampler) -> Any:
         return penalize(self._mx, logits, sampler.recent, sampler.params)
@@ -541,6 +586,8 @@ class MlxBackend:
         return scaled
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         self._thread.submit(self._release).result()  # after a step in flight, if any
         self._thread.shutdown()

@@ -256,11 +256,11 @@ class Engine:
                 self.backend.step, ops, works, limiter=self._limiter
             )
         except BackendError as exc:
-            self._fail_step(works, str(exc))
+            self._fail_step(works, ops, str(exc))
             return
         except Exception as exc:  # a bug in a backend fails this step's requests, not all
             log.exception("engine step failed")
-            self._fail_step(works, f"internal error in the engine step: {exc!r}")
+            self._fail_step(works, ops, f"internal error in the engine step: {exc!r}")
             return
         self._observe_step(time.perf_counter() - started)
         self._record(works, sampled)
@@ -322,6 +322,9 @@ class Engine:
 
     def _accept(self, generation: Generation, sampled: Sampled) -> None:
         generation.decoding = True
+        if sampled.error is not None:
+            generation._finish("error", sampled.error)
+            return
         if sampled.end_of_generation:
             generation._finish("stop")
             return
@@ -342,10 +345,14 @@ class Engine:
         step = min(RESERVATION_STEP, generation.max_tokens - generation.completion_tokens)
         return self.admission.try_extend(generation.ticket, step)
 
-    def _fail_step(self, works: list[SeqWork], message: str) -> None:
-        for work in works:
-            session = self._sessions[work.seq]
-            # The cache state of a failed step is unknown: forget the whole sequence.
+    def _fail_step(self, works: list[SeqWork], ops: list[KvOp], message: str) -> None:
+        # The state of every sequence the step touched is unknown, and some of its ops may
+        # not have run (a lease's sampler, an eviction): forget those sequences whole, and
+        # end the requests on them.
+        touched = {work.seq for work in works} | {
+            op.dst if isinstance(op, CopyPrefix) else op.seq for op in ops}
+        for seq in sorted(touched):
+            session = self._sessions[seq]
             self._ops.append(RemoveTokens(session.seq, -1, -1))
             session.kv_tokens.clear()
             if session.generation is not None:

@@ -16,11 +16,13 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from butter import __version__
+from butter.backends.base import BackendError
 from butter.engine.engine import Engine, Generation
 from butter.errors import (
     ButterError,
     InvalidRequest,
     ModelNotFound,
+    ModelReplaced,
     Overloaded,
     RequestTooLarge,
     Unauthorized,
@@ -55,7 +57,10 @@ async def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest
                   ) -> chat_completions.PreparedChat:
     """Render, tokenize and check a request on a worker thread: long prompts, big tool
     schemas and grammar compilation would otherwise stall every stream on the event loop."""
-    return await trio.to_thread.run_sync(chat_completions.prepare, resident, request)
+    try:
+        return await trio.to_thread.run_sync(chat_completions.prepare, resident, request)
+    except BackendError as exc:  # a swap unloaded this model while the request was prepared
+        raise ModelReplaced(str(exc)) from None
 
 
 def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> QuartTrio:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -49,10 +48,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
     if is_mlx_checkpoint(path):
         from butter.backends.mlx import MlxBackend
 
-        trained = json.loads((path / "config.json").read_text()).get(
-            "max_position_embeddings") or 0
-        return MlxBackend(path, n_cells=size_pool(int(trained)), n_seq=settings.parallel,
-                          kv_type=kv_type)
+        return MlxBackend(path, n_cells=size_pool, n_seq=settings.parallel, kv_type=kv_type)
     return LlamaCppBackend(
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
