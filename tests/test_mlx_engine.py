@@ -276,3 +276,26 @@ async def test_a_grammar_failure_ends_only_its_own_request(
         assert finished["plain"][0] in ("length", "stop")  # the sibling was untouched
     finally:
         await model.aclose()
+
+
+async def test_every_step_runs_on_the_backends_own_thread(
+        tiny_mlx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    model, backend = await _load(tiny_mlx)
+    threads: set[str] = set()
+    step = backend._step
+
+    def recording_step(*args: object) -> object:
+        threads.add(threading.current_thread().name)
+        return step(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend, "_step", recording_step)
+    try:
+        await _greedy(model, "first", 4)
+        await _greedy(model, "second", 4)
+        # Not trio's worker threads (which come and go): the one thread mlx's lazy arrays
+        # are tied to.
+        assert len(threads) == 1 and threads.pop().startswith("butter-mlx")
+    finally:
+        await model.aclose()
