@@ -9,10 +9,11 @@ thread; ctypes releases the GIL during decode so the trio loop keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,31 @@ def check_gguf_file(path: Path) -> None:
         raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
 
 
+class _Users:
+    """Any number of users at once, or one closer once they are done (and none after)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._count = 0
+
+    @contextlib.contextmanager
+    def using(self) -> Iterator[None]:
+        with self._changed:
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._count -= 1
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: self._count == 0)
+            yield  # users that arrive now wait for this, then find the model gone
+
+
 class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
@@ -93,7 +119,9 @@ class LlamaCppBackend:
         _init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
-        self._freeing = threading.Lock()  # close() vs tokenize() on other threads
+        # Requests are prepared (tokenized, grammar-checked) on worker threads, side by side,
+        # while a swap may close this backend on another one: close() waits for them.
+        self._users = _Users()
         self._model = self._load_model(path)
         self._vocab = ll.llama_model_get_vocab(self._model)
         try:
@@ -209,7 +237,7 @@ class LlamaCppBackend:
             raise BackendError("the model was unloaded")
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
-        with self._freeing:  # requests are prepared on worker threads, beside a close
+        with self._users.using():
             self._check_open()
             return self._tokenize(text, add_bos=add_bos)
 
@@ -394,7 +422,7 @@ class LlamaCppBackend:
 
     def check_grammar(self, grammar: str) -> None:
         """Raise ValueError if llama.cpp cannot parse this GBNF (before it reaches a step)."""
-        with self._freeing:
+        with self._users.using():
             self._check_open()
             sampler = ll.llama_sampler_init_grammar(self._vocab, grammar.encode(), b"root")
             if not sampler:
@@ -441,7 +469,7 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ teardown
 
     def close(self) -> None:
-        with self._freeing:
+        with self._users.closing():
             self._free()
 
     def _free(self) -> None:
