@@ -176,6 +176,7 @@ class MlxBackend:
         # this one thread, whichever worker thread the engine calls from.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="butter-mlx")
         self._grammar_lock = threading.Lock()
+        self._encoding = threading.Lock()
         self._samplers: dict[int, _Sampler] = {}
         self._compiled: OrderedDict[str, str] = OrderedDict()  # GBNF -> grammar, LRU last
         self._llg: Any = None
@@ -304,7 +305,10 @@ class MlxBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         if self._closed:
             raise BackendError("the model was unloaded")
-        tokens: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
+        # transformers may reset the Rust tokenizer's truncation/padding inside encode, which
+        # raises "Already borrowed" if two prepare threads do it at once.
+        with self._encoding:
+            tokens: list[int] = self._tokenizer.encode(text, add_special_tokens=False)
         bos = self._tokenizer.bos_token_id
         return [bos, *tokens] if add_bos and bos is not None else tokens
 
