@@ -512,27 +512,22 @@ class MlxBackend:
 
     def _forget_row(self, seq: int) -> None:
         """Take a session out of the batch without keeping its cache."""
-        batch = self._batch
-        if batch is None or seq not in batch.seqs:
-            return
-        keep = [row for row, member in enumerate(batch.seqs) if member != seq]
-        if not keep:
-            self._batch = None
-            return
-        for layer in batch.cache:
-            layer.filter(keep)
-        batch.seqs = [batch.seqs[row] for row in keep]
+        self._remove_rows([seq])
 
     def _leave_batch(self, seqs: list[int]) -> None:
         """Give these sessions their own caches back (a copy of their rows)."""
         batch = self._batch
-        leaving = [seq for seq in seqs if batch is not None and seq in batch.seqs]
-        if batch is None or not leaving:
+        for seq in seqs:
+            if batch is not None and seq in batch.seqs:
+                row = batch.seqs.index(seq)
+                self._caches[seq] = [layer.extract(row) for layer in batch.cache]
+        self._remove_rows(seqs)
+
+    def _remove_rows(self, seqs: list[int]) -> None:
+        batch = self._batch
+        if batch is None or not any(seq in batch.seqs for seq in seqs):
             return
-        for seq in leaving:
-            row = batch.seqs.index(seq)
-            self._caches[seq] = [layer.extract(row) for layer in batch.cache]
-        keep = [row for row, seq in enumerate(batch.seqs) if seq not in leaving]
+        keep = [row for row, member in enumerate(batch.seqs) if member not in seqs]
         if not keep:
             self._batch = None
             return
