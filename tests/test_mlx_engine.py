@@ -4,6 +4,7 @@ affine-quantized KV caches (tiny MLX model)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,22 @@ async def _greedy(model: Model, text: str | list[int], max_tokens: int) -> tuple
     return b"".join(pieces), gen.cached_tokens
 
 
+async def _solo_then_together(model: Model, run: Callable[[int], Awaitable[bytes]],
+                              lanes: int) -> tuple[list[bytes], list[bytes]]:
+    """Each lane's output run alone (cold caches), then all lanes at once (cold again)."""
+    alone = [await run(i) for i in range(lanes)]
+    model.resident.engine.drop_idle_caches()
+    together: dict[int, bytes] = {}
+
+    async def lane(i: int) -> None:
+        together[i] = await run(i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(lanes):
+            nursery.start_soon(lane, i)
+    return alone, [together[i] for i in range(lanes)]
+
+
 @pytest.mark.parametrize("kv_cache", ["raw", "affine8", "affine4"])
 async def test_concurrent_decodes_share_one_forward_pass(tiny_mlx: Path, kv_cache: str) -> None:
     model, backend = await _load(tiny_mlx, kv_cache=kv_cache)
@@ -52,19 +69,10 @@ async def test_concurrent_decodes_share_one_forward_pass(tiny_mlx: Path, kv_cach
                     widest.append(len(backend.decode_batch))
             return b"".join(pieces)
 
-        alone = [await run(i) for i in range(4)]
-        engine.drop_idle_caches()
-        widest.clear()
-        together: dict[int, bytes] = {}
-
-        async def lane(i: int) -> None:
-            together[i] = await run(i)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(lane, i)
-        assert max(widest) == 4  # all four decoded in one pass at some step...
-        assert [together[i] for i in range(4)] == alone  # ...giving the tokens of solo runs
+        alone, together = await _solo_then_together(model, run, 4)
+        # All four decoded in one pass at some step (solo runs alone never reach 4)...
+        assert max(widest) == 4
+        assert together == alone  # ...giving the tokens of solo runs
         assert all(backend.cached_bytes(seq) > 0 for seq in range(4))  # caches kept for reuse
     finally:
         await model.aclose()
@@ -150,17 +158,8 @@ async def test_batched_rotating_caches_equal_sequential_runs(tiny_gemma: Path) -
             async with engine.generate(tokens, SamplingParams(seed=i), 24) as gen:
                 return b"".join([p async for batch in gen.pieces() for p in batch])
 
-        alone = [await run(i) for i in range(4)]
-        engine.drop_idle_caches()
-        together: dict[int, bytes] = {}
-
-        async def lane(i: int) -> None:
-            together[i] = await run(i)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(4):
-                nursery.start_soon(lane, i)
-        assert [together[i] for i in range(4)] == alone
+        alone, together = await _solo_then_together(model, run, 4)
+        assert together == alone
     finally:
         await model.aclose()
 
@@ -189,17 +188,13 @@ async def test_hybrid_recurrent_model_is_served_and_only_extended(tiny_qwen35: P
         text, cached = await _greedy(model, "A conversation about trains", 4)
         assert cached == 0 and text  # a fork rebuilds (the state cannot be cut back)
         # Concurrent sessions (each its own forward pass) give the tokens of solo runs.
-        alone = [await _cold(model, p, 8) for p in PROMPTS[:2]]
-        together: dict[int, bytes] = {}
-
-        async def lane(i: int) -> None:
-            together[i] = (await _greedy(model, PROMPTS[i], 8))[0]
-
         engine.drop_idle_caches()
-        async with trio.open_nursery() as nursery:
-            for i in range(2):
-                nursery.start_soon(lane, i)
-        assert [together[0], together[1]] == alone
+
+        async def run(i: int) -> bytes:
+            return (await _greedy(model, PROMPTS[i], 8))[0]
+
+        alone, together = await _solo_then_together(model, run, 2)
+        assert together == alone
     finally:
         await model.aclose()
 
