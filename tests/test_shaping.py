@@ -18,6 +18,7 @@ from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.shaping import Shape, StepShaper, candidates, padded_outputs
 from butter.cli import build_parser, settings_from_args
 from butter.sampling import SamplingParams
+from butter.server.resident import ResidentModel
 from tests.conftest import ServerProcess
 
 # ------------------------------------------------------------------ the chooser (pure)
@@ -140,11 +141,17 @@ def test_padding_rows_change_no_real_row_and_leave_no_trace(backend: LlamaCppBac
 # ------------------------------------------------------------------ served
 
 
-def test_the_flag_turns_shaping_off(tiny_gguf: Path) -> None:
-    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf), "--no-step-shaping"])
-    assert settings_from_args(args).step_shaping is False
-    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf)])
-    assert settings_from_args(args).step_shaping is True
+@pytest.mark.parametrize(("flags", "enabled"), [([], True), (["--no-step-shaping"], False)])
+def test_the_flag_reaches_the_loaded_backend(tiny_gguf: Path, flags: list[str],
+                                             enabled: bool) -> None:
+    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf), *flags])
+    resident = ResidentModel.load_sync(settings_from_args(args))
+    try:
+        assert isinstance(resident.backend, LlamaCppBackend)
+        assert resident.backend.shaper.enabled is enabled
+        assert (resident.step_shapes() is None) is not enabled  # what /v1/server shows
+    finally:
+        resident.close()
 
 
 async def test_server_reports_the_shapes_it_chose(tiny_gguf: Path) -> None:
