@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="llama.cpp: time alternative layouts of decode steps (pad output "
                             "rows to 8, or one decode per row) and keep the fastest "
                             "(default: on)")
+    serve.add_argument("--fast-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="llama.cpp: butter computes the logits (the output projection) "
+                            "with its AVX512-VNNI kernel where the CPU, the build and a Q8_0 "
+                            "output matrix allow, checked against llama.cpp's at load; "
+                            "/v1/server says which one runs (default: on)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "
@@ -118,7 +123,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         model=args.model, host=args.host, port=args.port, alias=args.alias,
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
-        threads=args.threads, step_shaping=args.step_shaping,
+        threads=args.threads, step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,

@@ -60,6 +60,7 @@ class ServeSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
+    fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS

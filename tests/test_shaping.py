@@ -85,9 +85,13 @@ def test_every_choice_is_a_candidate(steps: list[tuple[int, bool, float]]) -> No
 # ------------------------------------------------------------------ inside llama.cpp
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_gguf: Path) -> Iterator[LlamaCppBackend]:
-    backend = LlamaCppBackend(tiny_gguf, n_cells=2048, n_seq=8, n_batch=256, threads=2)
+@pytest.fixture(scope="module", params=[True, False], ids=["butter-lm-head", "llama-lm-head"])
+def backend(tiny_gguf: Path, request: pytest.FixtureRequest) -> Iterator[LlamaCppBackend]:
+    backend = LlamaCppBackend(tiny_gguf, n_cells=2048, n_seq=8, n_batch=256, threads=2,
+                              fast_lm_head=request.param)
+    if request.param and not backend.lm_head.startswith("butter"):
+        backend.close()
+        pytest.skip(f"butter's output projection does not apply here: {backend.lm_head}")
     yield backend
     backend.close()
 
@@ -105,9 +109,7 @@ def _prefill(backend: LlamaCppBackend, seqs: range) -> list[SeqWork]:
 
 
 def _logits(backend: LlamaCppBackend, rows: int) -> np.ndarray:
-    n_vocab = backend.info.n_vocab
-    return np.stack([np.ctypeslib.as_array(ll.llama_get_logits_ith(backend._ctx, row),
-                                           shape=(n_vocab,)).copy() for row in range(rows)])
+    return np.stack([backend.step_logits(row) for row in range(rows)])
 
 
 def test_split_rows_equal_plain_rows(backend: LlamaCppBackend) -> None:

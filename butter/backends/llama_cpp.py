@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,10 +31,13 @@ from butter.backends.base import (
     SeqWork,
     ShiftPositions,
 )
+from butter.backends.lmhead import LmHead, Unavailable
 from butter.backends.shaping import Shape, StepShaper, padded_outputs
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType, parse_kv_cache
 from butter.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
 
@@ -45,6 +49,11 @@ GGUF_MAGIC = b"GGUF"
 # (Weight repacking is off for the same reason: its kernels make a row's result
 # depend on its position in the batch; measured faster here too, see RESULTS.md.)
 MIN_PROMPT_ROWS = 8
+
+# butter's output projection must reproduce llama.cpp's logits to within float rounding
+# (differences seen: ~1e-6 of the largest logit); checked once at load on a probe prompt.
+LM_HEAD_TOLERANCE = 1e-3
+LM_HEAD_PROBE = "butter checks its output projection against llama.cpp's own."
 
 # When the grammar vetoes the sampled token, it is next applied to only this many most
 # likely tokens; the whole vocabulary is the fallback when none of them is allowed.
@@ -114,8 +123,12 @@ class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
+        fast_lm_head: bool = True,
     ) -> None:
-        """`n_cells` may be a function of the trained context (known only after loading)."""
+        """`n_cells` may be a function of the trained context (known only after loading).
+
+        `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
+        that applies; `lm_head` then says which one does, and why."""
         _init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
@@ -128,6 +141,9 @@ class LlamaCppBackend:
             self.info = self._read_info(path)
             cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
             self.kv_type = kv_type or parse_kv_cache("raw")
+            self._lm_head, self.lm_head = self._load_lm_head(
+                path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
+            )
             self._ctx = self._new_context(
                 cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads,
             )
@@ -145,12 +161,15 @@ class LlamaCppBackend:
         self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self.shaper = StepShaper(enabled=step_shaping)
         self._decode_seconds = 0.0  # llama_decode time of the current step
+        self._ours = False  # whether butter's projection gave the last decode's logits
         self._samplers: dict[int, Any] = {}
         self._grammars: dict[int, Any] = {}
         self._vocab_ids = np.arange(self.info.n_vocab, dtype=np.int32)
         self._candidates = np.zeros(
             self.info.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)]
         )
+        if self._lm_head is not None:
+            self._verify_lm_head()
 
     # ------------------------------------------------------------------ loading
 
@@ -164,6 +183,63 @@ class LlamaCppBackend:
                 f"llama.cpp could not load {path} (corrupt, truncated or unsupported model)"
             )
         return model
+
+    @staticmethod
+    def _load_lm_head(
+        path: Path, *, enabled: bool, threads: int, max_rows: int,
+    ) -> tuple[LmHead | None, str]:
+        """butter's output projection and "butter", or None and why llama.cpp's is used."""
+        if not enabled:
+            return None, "llama.cpp (--no-fast-lm-head)"
+        if ll.llama_supports_gpu_offload():
+            return None, "llama.cpp (a GPU build: the hidden state is not in host memory)"
+        try:
+            return LmHead(path, threads=threads, max_rows=max_rows), "butter (AVX512-VNNI)"
+        except Unavailable as exc:
+            return None, f"llama.cpp ({exc})"
+
+    def _verify_lm_head(self) -> None:
+        """Compare one probe prompt's logits both ways; on disagreement use llama.cpp's."""
+        assert self._lm_head is not None
+        tokens = self._tokenize(LM_HEAD_PROBE, add_bos=self.info.add_bos)[: self._lm_head.rows]
+        theirs = self._probe_logits(tokens, armed=False)
+        ours = self._probe_logits(tokens, armed=True)
+        if ours is None or theirs is None:
+            problem = "its hook never saw the final norm"
+        else:
+            error = float(np.abs(ours - theirs).max())
+            limit = LM_HEAD_TOLERANCE * max(1.0, float(np.abs(theirs).max()))
+            if error <= limit:
+                return
+            problem = f"its logits differ from llama.cpp's by {error:.3g} (limit {limit:.3g})"
+        log.warning("butter's output projection is off for this model: %s", problem)
+        self._lm_head, self.lm_head = None, f"llama.cpp (self-check failed: {problem})"
+
+    def _probe_logits(self, tokens: list[int], *, armed: bool) -> Any:
+        """Logits of every probe token, computed by butter (armed) or by llama.cpp."""
+        assert self._lm_head is not None
+        batch = self._batch
+        for row, token in enumerate(tokens):
+            batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, row, 1
+            batch.seq_id[row][0], batch.logits[row] = self._pad_seq, True
+        batch.n_tokens = len(tokens)
+        self._lm_head.arm(armed)
+        try:
+            if ll.llama_decode(self._ctx, batch) != 0:
+                raise ModelLoadError("llama.cpp could not evaluate the probe prompt")
+            if not armed:
+                return np.stack([
+                    np.ctypeslib.as_array(
+                        ll.llama_get_logits_ith(self._ctx, row), shape=(self.info.n_vocab,)
+                    ).copy()
+                    for row in range(len(tokens))
+                ])
+            if not self._lm_head.computed(len(tokens)):
+                return None
+            return np.stack([self._lm_head.row(row).copy() for row in range(len(tokens))])
+        finally:
+            self._lm_head.arm(False)
+            ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
 
     def _meta(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(4096)
@@ -225,6 +301,10 @@ class LlamaCppBackend:
         params.type_k = params.type_v = self.kv_type.ggml_type
         if self.kv_type.quantized:  # a quantized V cache needs flash attention
             params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if self._lm_head is not None:  # the hook that computes the logits (lmhead.py)
+            hook = ll.ggml_backend_sched_eval_callback
+            params.cb_eval = ctypes.cast(self._lm_head.callback, hook)
+            params.cb_eval_user_data = self._lm_head.user_data
         ctx = ll.llama_init_from_model(self._model, params)
         if not ctx:
             raise ModelLoadError(f"llama.cpp could not create a context of {n_cells} cells")
@@ -285,16 +365,25 @@ class LlamaCppBackend:
 
     def _decode(self, works: list[SeqWork], *, outputs: int) -> list[Sampled]:
         """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
-        sample_rows, padded = self._fill_batch(works, outputs=outputs)
+        sample_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
+        head = self._lm_head
+        if head is not None:
+            head.arm(True)
         started = time.perf_counter()
         status = ll.llama_decode(self._ctx, self._batch)
         ll.llama_synchronize(self._ctx)  # GPU builds return before the work is done
         self._decode_seconds += time.perf_counter() - started
+        ours = self._ours = head is not None and head.computed(n_outputs)
+        if head is not None:
+            head.arm(False)
         if padded:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
-        return [self._sample(seq, row) for seq, row in sample_rows]
+        return [
+            self._sample(seq, row, head.row(ordinal) if head is not None and ours else None)
+            for seq, row, ordinal in sample_rows
+        ]
 
     def _apply(self, op: KvOp) -> None:
         if isinstance(op, RemoveTokens):
@@ -311,8 +400,11 @@ class LlamaCppBackend:
 
     def _fill_batch(
         self, works: list[SeqWork], *, outputs: int = 0,
-    ) -> tuple[list[tuple[int, int]], bool]:
-        """Write the works into the batch; returns the rows to sample and if it was padded.
+    ) -> tuple[list[tuple[int, int, int]], int, bool]:
+        """Write the works into the batch.
+
+        Returns (seq, batch row, output ordinal) of each row to sample, the number of rows
+        with logits, and whether scratch rows were added.
 
         `outputs`: request logits on at least this many rows (see butter.backends.shaping),
         first on rows that need none, then on scratch rows."""
@@ -332,8 +424,8 @@ class LlamaCppBackend:
         batch = self._batch
         token, pos, n_seq_id = batch.token, batch.pos, batch.n_seq_id
         seq_id, logits = batch.seq_id, batch.logits
-        row = 0
-        sample_rows: list[tuple[int, int]] = []
+        row = n_outputs = 0
+        sample_rows: list[tuple[int, int, int]] = []
         for work in works:
             last = len(work.tokens) - 1
             for offset, tok in enumerate(work.tokens):
@@ -344,18 +436,27 @@ class LlamaCppBackend:
                 wants = work.sample and offset == last
                 logits[row] = wants or spare_outputs > 0
                 if wants:
-                    sample_rows.append((work.seq, row))
+                    sample_rows.append((work.seq, row, n_outputs))
                 elif spare_outputs > 0:
                     spare_outputs -= 1
+                n_outputs += bool(logits[row])
                 row += 1
         batch.n_tokens = row
-        return sample_rows, padding > 0
+        return sample_rows, n_outputs, padding > 0
 
-    def _sample(self, seq: int, row: int) -> Sampled:
+    def _sample(self, seq: int, row: int, logits: Any) -> Sampled:
+        """Sample batch row `row` for `seq`; `logits`: butter's for that row, or None for
+        llama.cpp's (then read from the context)."""
         if seq in self._grammars:
-            token = self._sample_with_grammar(seq, row)
-        else:
+            if logits is None:
+                logits = self._llama_logits(row)
+            token = self._sample_with_grammar(seq, logits)
+        elif logits is None:
             token = int(ll.llama_sampler_sample(self._samplers[seq], self._ctx, row))
+        else:  # what llama_sampler_sample does, on butter's logits
+            chain = self._samplers[seq]
+            token = self._choose(chain, self._fill_candidates(logits))
+            ll.llama_sampler_accept(chain, token)
         return Sampled(
             seq=seq,
             token=token,
@@ -363,7 +464,19 @@ class LlamaCppBackend:
             end_of_generation=bool(ll.llama_vocab_is_eog(self._vocab, token)),
         )
 
-    def _sample_with_grammar(self, seq: int, row: int) -> int:
+    def step_logits(self, row: int) -> Any:
+        """A copy of the logits batch row `row` of the last decode was sampled from."""
+        if self._ours and self._lm_head is not None:
+            ordinal = sum(bool(self._batch.logits[earlier]) for earlier in range(row))
+            return self._lm_head.row(ordinal).copy()
+        return self._llama_logits(row).copy()
+
+    def _llama_logits(self, row: int) -> Any:
+        return np.ctypeslib.as_array(
+            ll.llama_get_logits_ith(self._ctx, row), shape=(self.info.n_vocab,)
+        )
+
+    def _sample_with_grammar(self, seq: int, logits: Any) -> int:
         """Sample normally, then let the grammar veto; only a veto pays for a full pass.
 
         A grammar applied to the whole vocabulary costs ~100 ms a token on a 262k vocab,
@@ -371,9 +484,6 @@ class LlamaCppBackend:
         chain picked, and constrains the full distribution only when it rejects it.
         """
         chain, grammar = self._samplers[seq], self._grammars[seq]
-        logits = np.ctypeslib.as_array(
-            ll.llama_get_logits_ith(self._ctx, row), shape=(self.info.n_vocab,)
-        )
         token = self._choose(chain, self._fill_candidates(logits))
         single = np.array([(token, 0.0, 0.0)], dtype=self._candidates.dtype)
         ll.llama_sampler_apply(grammar, ctypes.byref(self._as_array(single)))
@@ -397,8 +507,11 @@ class LlamaCppBackend:
         return self._choose(chain, candidates)
 
     def _fill_candidates(self, logits: Any) -> Any:
-        candidates = self._candidates
-        candidates["id"] = self._vocab_ids  # samplers reorder the array in place
+        candidates = self._candidates  # samplers reorder it in place: refill every time
+        if self._lm_head is not None and logits.flags.c_contiguous:
+            self._lm_head.fill_candidates(logits, candidates)  # one C loop
+            return candidates
+        candidates["id"] = self._vocab_ids
         candidates["logit"] = logits
         candidates["p"] = 0.0
         return candidates

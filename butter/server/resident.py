@@ -52,7 +52,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
     return LlamaCppBackend(
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
-        kv_type=kv_type, step_shaping=settings.step_shaping,
+        kv_type=kv_type, step_shaping=settings.step_shaping, fast_lm_head=settings.fast_lm_head,
     )
 
 
@@ -130,6 +130,7 @@ class ResidentModel:
             "chat_template": self.template.origin,
             "kv_cells": self.backend.n_cells,
             "step_shapes": self.step_shapes(),
+            "lm_head": self.lm_head(),
             "parallel": self.backend.n_seq,
             "kv": self.kv_info(),
         }
@@ -139,6 +140,10 @@ class ResidentModel:
         if not isinstance(self.backend, LlamaCppBackend) or not self.backend.shaper.enabled:
             return None
         return {str(n): shape for n, shape in self.backend.shaper.verdicts().items()}
+
+    def lm_head(self) -> str | None:
+        """Who computes the logits on llama.cpp, and why (backends/lmhead.py); None: MLX."""
+        return self.backend.lm_head if isinstance(self.backend, LlamaCppBackend) else None
 
     def kv_info(self) -> dict[str, Any]:
         per_token = self.backend.kv_bytes_per_token

@@ -1,0 +1,250 @@
+/*
+ * butter's output projection ("LM head") for llama.cpp models on x86 CPUs.
+ *
+ * Why: on a small model the output projection is most of a decode step. Gemma 3 270M ties
+ * a 262k x 640 Q8_0 embedding to its output; llama.cpp's x86 kernels run it at ~48 G int8
+ * MAC/s on two AVX512-VNNI cores, 70% of an 8-row step. Laid out for VNNI (16 vocabulary
+ * rows per 512-bit register, every weight load reused by up to 8 rows), the same
+ * arithmetic takes a fifth of the time (benchmarks/RESULTS.md).
+ *
+ * How: llama.cpp calls `butter_lmhead_eval` for every graph node (its `cb_eval` hook). When
+ * armed, it asks for the final normed hidden state ("result_norm"), computes the logits of
+ * those rows here, and stops the graph before llama.cpp's own projection runs.
+ *
+ * Same numbers as llama.cpp: the activations are quantized to Q8_0 exactly as ggml's x86
+ * quantize_row_q8_0 does (scale 127/amax, round half to even, fp16 block scale), each
+ * 32-element block is an exact integer dot product scaled by the two fp16 scales, and only
+ * the float summation order over blocks differs (last bits). A row's logits never depend
+ * on which other rows share the step.
+ *
+ * This file needs no ggml headers: the few ggml accessors it uses are passed in by the
+ * Python side (butter/backends/lmhead.py), which also mirrors `butter_lmhead` in ctypes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define BUTTER_X86 1
+#include <immintrin.h>
+#define VNNI_TARGET __attribute__((target("avx512f,avx512vnni,f16c")))
+#endif
+
+#define QK 32          /* elements per Q8_0 block */
+#define LANES 16       /* vocabulary rows per tile: one 512-bit register of int32 */
+#define GROUPS 8       /* groups of 4 bytes per block (one VNNI step each) */
+#define ROWS_PER_PASS 8 /* hidden-state rows sharing one pass over the weights */
+#define Q8_0_BLOCK_BYTES 34 /* fp16 scale + 32 int8 */
+
+typedef struct {
+    /* ggml accessors, from libggml-base */
+    const char *(*get_name)(const void *tensor);
+    void *(*get_data)(const void *tensor);
+    int64_t (*nelements)(const void *tensor);
+    size_t (*nbytes)(const void *tensor);
+    bool (*is_contiguous)(const void *tensor);
+    /* packed weights (butter_lmhead_pack) */
+    const int8_t *wq;     /* [tile][block][group][lane][4] */
+    const uint16_t *wd;   /* [tile][block][lane] fp16 block scales */
+    const int16_t *wsum;  /* [tile][block][lane] sum of the block's 32 weights */
+    int64_t n_tiles;
+    int64_t n_embd;
+    int64_t n_vocab;
+    int32_t n_threads;
+    /* one step */
+    int32_t armed;        /* set by the caller before llama_decode */
+    int64_t max_rows;
+    int64_t rows_done;    /* rows computed here; -1: more rows than max_rows (llama.cpp's) */
+    float *out;           /* [max_rows][n_tiles * LANES] */
+    uint8_t *xq;          /* [max_rows][n_embd] activations as Q8_0 + 128 */
+    float *xd;            /* [max_rows][n_embd / QK] their block scales */
+} butter_lmhead;
+
+int butter_lmhead_supported(void) {
+#ifdef BUTTER_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
+#else
+    return 0;
+#endif
+}
+
+/* Q8_0 rows as stored in a GGUF ([n_vocab][n_embd / 32] blocks of 34 bytes) into tiles of
+ * 16 rows; rows past n_vocab (up to a whole tile) are zero and give logits of 0. */
+void butter_lmhead_pack(const uint8_t *rows, int64_t n_vocab, int64_t n_embd,
+                        int8_t *wq, uint16_t *wd, int16_t *wsum) {
+    const int64_t nb = n_embd / QK;
+    const int64_t n_tiles = (n_vocab + LANES - 1) / LANES;
+    memset(wq, 0, (size_t)(n_tiles * nb * QK * LANES));
+    memset(wd, 0, (size_t)(n_tiles * nb * LANES) * sizeof(uint16_t));
+    memset(wsum, 0, (size_t)(n_tiles * nb * LANES) * sizeof(int16_t));
+    for (int64_t v = 0; v < n_vocab; v++) {
+        const int64_t t = v / LANES, lane = v % LANES;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = rows + (v * nb + b) * Q8_0_BLOCK_BYTES;
+            const int8_t *q = (const int8_t *)(block + 2);
+            const int64_t tb = t * nb + b;
+            int sum = 0;
+            for (int g = 0; g < GROUPS; g++) {
+                int8_t *dst = wq + ((tb * GROUPS + g) * LANES + lane) * 4;
+                for (int j = 0; j < 4; j++) {
+                    dst[j] = q[g * 4 + j];
+                    sum += q[g * 4 + j];
+                }
+            }
+            memcpy(&wd[tb * LANES + lane], block, sizeof(uint16_t));
+            wsum[tb * LANES + lane] = (int16_t)sum;
+        }
+    }
+}
+
+/* llama.cpp's sampler input: {id, logit, p} for every token. */
+typedef struct {
+    int32_t id;
+    float logit;
+    float p;
+} token_data;
+
+void butter_fill_candidates(const float *logits, int32_t n_vocab, token_data *out) {
+    for (int32_t i = 0; i < n_vocab; i++) {
+        out[i].id = i;
+        out[i].logit = logits[i];
+        out[i].p = 0.0f;
+    }
+}
+
+#ifdef BUTTER_X86
+
+/* ggml's x86 quantize_row_q8_0, plus 128 so the bytes are unsigned (VNNI multiplies
+ * unsigned by signed bytes; the weights' block sums take the 128 back out). */
+VNNI_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_embd,
+                                      uint8_t *xq, float *xd) {
+    const int64_t nb = n_embd / QK;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *v = x + r * n_embd + b * QK;
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) {
+                amax = fmaxf(amax, fabsf(v[j]));
+            }
+            const float d = amax / 127.f;
+            const float id = amax != 0.0f ? 127.f / amax : 0.0f;
+            xd[r * nb + b] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
+            uint8_t *q = xq + r * n_embd + b * QK;
+            for (int j = 0; j < QK; j++) {
+                q[j] = (uint8_t)((int)nearbyintf(v[j] * id) + 128);
+            }
+        }
+    }
+}
+
+/* Logits of R rows for the 16 vocabulary rows of tile t. */
+VNNI_TARGET static inline __attribute__((always_inline)) void
+tile_rows(const butter_lmhead *s, int64_t t, const int R, const uint8_t *xq, const float *xd,
+          float *out, int64_t stride) {
+    const int64_t nb = s->n_embd / QK;
+    __m512 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t tb = t * nb + b;
+        const int8_t *w = s->wq + tb * QK * LANES;
+        __m512i dot[ROWS_PER_PASS];
+        for (int r = 0; r < R; r++) {
+            dot[r] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < GROUPS; g++) {
+            const __m512i weights = _mm512_loadu_si512((const void *)(w + g * LANES * 4));
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * s->n_embd + b * QK + g * 4, sizeof four);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(four), weights);
+            }
+        }
+        const __m512i offset = _mm512_slli_epi32(
+            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s->wsum + tb * LANES))), 7);
+        const __m512 wscale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->wd + tb * LANES)));
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm512_storeu_ps(out + r * stride + t * LANES, acc[r]);
+    }
+}
+
+VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_t *xq,
+                                     const float *xd, float *out) {
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        switch (R) { /* constant R per case, so each loop is unrolled for its row count */
+        case 1: tile_rows(s, t, 1, xq, xd, out, stride); break;
+        case 2: tile_rows(s, t, 2, xq, xd, out, stride); break;
+        case 3: tile_rows(s, t, 3, xq, xd, out, stride); break;
+        case 4: tile_rows(s, t, 4, xq, xd, out, stride); break;
+        case 5: tile_rows(s, t, 5, xq, xd, out, stride); break;
+        case 6: tile_rows(s, t, 6, xq, xd, out, stride); break;
+        case 7: tile_rows(s, t, 7, xq, xd, out, stride); break;
+        default: tile_rows(s, t, 8, xq, xd, out, stride); break;
+        }
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+/* Logits of `rows` hidden states (f32, n_embd each) into s->out; rows <= s->max_rows. */
+void butter_lmhead_project(butter_lmhead *s, const float *x, int64_t rows) {
+#ifdef BUTTER_X86
+    const int64_t nb = s->n_embd / QK;
+    const int64_t stride = s->n_tiles * LANES;
+    quantize_rows(x, rows, s->n_embd, s->xq, s->xd);
+    for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
+        const int64_t left = rows - r0;
+        const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
+        project_pass(s, R, s->xq + r0 * s->n_embd, s->xd + r0 * nb, s->out + r0 * stride);
+    }
+#else
+    (void)s; (void)x; (void)rows;
+#endif
+}
+
+/* llama.cpp's eval callback (ggml_backend_sched_eval_callback). With `ask`, it says which
+ * nodes it wants to see once computed; without, it gets one, and returning false stops
+ * the graph. Unarmed, it wants nothing, and the graph runs as if there were no hook. */
+bool butter_lmhead_eval(void *tensor, bool ask, void *user_data) {
+    butter_lmhead *s = (butter_lmhead *)user_data;
+    if (!s->armed || strcmp(s->get_name(tensor), "result_norm") != 0) {
+        return false;
+    }
+    if (ask) {
+        return true;
+    }
+    const int64_t elements = s->nelements(tensor);
+    const int64_t rows = elements / s->n_embd;
+    const bool plain_f32 = elements % s->n_embd == 0 && s->is_contiguous(tensor) &&
+                           s->nbytes(tensor) == (size_t)elements * sizeof(float);
+    if (!plain_f32 || rows > s->max_rows) {
+        s->rows_done = -1;
+        return true; /* let llama.cpp project these rows itself */
+    }
+    butter_lmhead_project(s, (const float *)s->get_data(tensor), rows);
+    s->rows_done = rows;
+    return false; /* the logits are here: skip llama.cpp's projection */
+}
+
+/* An importable module, so that the build and the import system can find this library;
+ * Python calls it through ctypes. */
+static struct PyModuleDef lmhead_module = {
+    PyModuleDef_HEAD_INIT, "_lmhead",
+    "butter's output-projection kernel (loaded with ctypes, see butter/backends/lmhead.py)",
+    -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__lmhead(void) { return PyModule_Create(&lmhead_module); }
