@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,13 @@ class LlamaCppBackend:
         # Requests are prepared (tokenized, grammar-checked) on worker threads, side by side,
         # while a swap may close this backend on another one: close() waits for them.
         self._users = _Users()
+        # llama.cpp's OpenMP builds keep one team of worker threads per calling thread.
+        # Engine steps come from whichever worker thread trio hands out, so each new one
+        # would grow another team; once the teams hold more threads than there are cores,
+        # libgomp stops spinning between parallel regions and every step waits for its
+        # threads to wake (measured: 8-row steps 19 ms on one thread, 29-34 ms after a few
+        # hundred requests). So every evaluation runs on this one thread.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="butter-llama")
         self._model = self._load_model(path)
         self._vocab = ll.llama_model_get_vocab(self._model)
         try:
@@ -144,11 +152,13 @@ class LlamaCppBackend:
             self._lm_head, self.lm_head = self._load_lm_head(
                 path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
             )
+            self._hook = self._lm_head  # referenced by the context (cb_eval) until it is freed
             self._ctx = self._new_context(
                 cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads,
             )
         except BaseException:
             ll.llama_model_free(self._model)
+            self._thread.shutdown()
             raise
         self._mem = ll.llama_get_memory(self._ctx)
         self.n_cells = int(ll.llama_n_ctx(self._ctx)) - MIN_PROMPT_ROWS  # the padding's
@@ -169,7 +179,11 @@ class LlamaCppBackend:
             self.info.n_vocab, dtype=[("id", np.int32), ("logit", np.float32), ("p", np.float32)]
         )
         if self._lm_head is not None:
-            self._verify_lm_head()
+            try:
+                self._thread.submit(self._verify_lm_head).result()
+            except BaseException:
+                self.close()
+                raise
 
     # ------------------------------------------------------------------ loading
 
@@ -213,6 +227,7 @@ class LlamaCppBackend:
                 return
             problem = f"its logits differ from llama.cpp's by {error:.3g} (limit {limit:.3g})"
         log.warning("butter's output projection is off for this model: %s", problem)
+        # The context keeps calling the (now unarmed) hook: `_hook` keeps its state alive.
         self._lm_head, self.lm_head = None, f"llama.cpp (self-check failed: {problem})"
 
     def _probe_logits(self, tokens: list[int], *, armed: bool) -> Any:
@@ -345,6 +360,9 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        return self._thread.submit(self._step, ops, works).result()
+
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
         self._check_open()
         for op in ops:
             self._apply(op)
@@ -583,7 +601,8 @@ class LlamaCppBackend:
 
     def close(self) -> None:
         with self._users.closing():
-            self._free()
+            self._thread.submit(self._free).result()  # after the step in flight, if any
+        self._thread.shutdown()
 
     def _free(self) -> None:
         for table in (self._samplers, self._grammars):
