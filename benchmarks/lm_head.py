@@ -10,6 +10,7 @@ Usage (from the repository root, in the project's venv)::
 
     python benchmarks/lm_head.py                    # the demo GGUF
     python benchmarks/lm_head.py --model x.gguf --rows 1,4,8 --repeats 30
+    BUTTER_LM_HEAD_ISA=avx2 python benchmarks/lm_head.py   # the AVX2 kernel on an AVX512 CPU
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: on)")
     serve.add_argument("--fast-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="llama.cpp: butter computes the logits (the output projection) "
-                            "with its AVX512-VNNI kernel where the CPU, the build and a Q8_0 "
-                            "output matrix allow, checked against llama.cpp's at load; "
+                            "with its AVX512-VNNI or AVX2 kernel where the CPU, the build and "
+                            "a Q8_0 output matrix allow, checked against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,

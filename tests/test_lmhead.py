@@ -18,7 +18,7 @@ import butter.backends.llama_cpp as llama_backend
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.gguf_tensors import read_header
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.backends.lmhead import LmHead, Unavailable
+from butter.backends.lmhead import ISA_VARIABLE, LmHead, Unavailable
 from butter.sampling import SamplingParams
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 
@@ -76,9 +76,20 @@ def _q8_0_reference(path: Path, hidden: np.ndarray) -> np.ndarray:
     return np.einsum("rvb,vb,rb->rv", dots, weight_scale, scale)
 
 
+ISAS = ["avx512-vnni", "avx2"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel in turn (skipped where the CPU lacks it)."""
+    monkeypatch.setenv(ISA_VARIABLE, request.param)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 8, 11])
-def test_logits_are_the_q8_0_arithmetic(tiny_gguf: Path, rows: int) -> None:
+def test_logits_are_the_q8_0_arithmetic(tiny_gguf: Path, rows: int, isa: str) -> None:
     head = _head_or_skip(tiny_gguf)
+    assert head.isa.lower() == isa
     assert head.n_vocab % 16  # the tiny vocabulary ends in a partial tile: covered here
     hidden = np.random.default_rng(rows).standard_normal((rows, head.n_embd)).astype(np.float32)
     hidden[0, :32] = 0.0  # an all-zero block has scale 0
@@ -88,12 +99,29 @@ def test_logits_are_the_q8_0_arithmetic(tiny_gguf: Path, rows: int) -> None:
     np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5 * np.abs(reference).max())
 
 
-def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(tiny_gguf: Path) -> None:
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(tiny_gguf: Path, isa: str) -> None:
     head = _head_or_skip(tiny_gguf)
     hidden = np.random.default_rng(7).standard_normal((11, head.n_embd)).astype(np.float32)
     together = head.project(hidden)  # a pass of 8 rows, then one of 3
     alone = np.stack([head.project(hidden[row : row + 1])[0] for row in range(11)])
     assert np.array_equal(together, alone)
+
+
+def test_both_kernels_give_the_same_bits(tiny_gguf: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    hidden = np.random.default_rng(3).standard_normal((8, 64)).astype(np.float32)
+    logits = []
+    for name in ISAS:
+        monkeypatch.setenv(ISA_VARIABLE, name)
+        logits.append(_head_or_skip(tiny_gguf).project(hidden))
+    assert np.array_equal(*logits)  # exact integer blocks, same float order
+
+
+def test_a_kernel_the_cpu_lacks_is_refused(tiny_gguf: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ISA_VARIABLE, "sse2")
+    with pytest.raises(Unavailable, match="BUTTER_LM_HEAD_ISA=sse2 is not available"):
+        LmHead(tiny_gguf, threads=2, max_rows=8)
 
 
 def test_too_many_rows_are_refused(tiny_gguf: Path) -> None:
@@ -146,6 +174,23 @@ def test_demo_model_logits_and_greedy_tokens_match_llama_cpp(
     scale = np.abs(their_logits).max()
     np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
     assert our_tokens == their_tokens
+
+
+def test_the_avx2_kernel_serves_a_backend(tiny_gguf: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    theirs = _backend(tiny_gguf, fast=False)
+    reference, their_logits = _generate_greedy(theirs, ["Session 2 talks about boats"], steps=8)
+    theirs.close()
+    monkeypatch.setenv(ISA_VARIABLE, "avx2")
+    ours = _backend(tiny_gguf, fast=True)
+    try:
+        assert ours.lm_head == "butter (AVX2)"
+        tokens, our_logits = _generate_greedy(ours, ["Session 2 talks about boats"], steps=8)
+        assert tokens == reference and ours._ours
+        scale = np.abs(their_logits).max()
+        np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
+    finally:
+        ours.close()
 
 
 def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(

@@ -208,7 +208,8 @@ class LlamaCppBackend:
         if ll.llama_supports_gpu_offload():
             return None, "llama.cpp (a GPU build: the hidden state is not in host memory)"
         try:
-            return LmHead(path, threads=threads, max_rows=max_rows), "butter (AVX512-VNNI)"
+            head = LmHead(path, threads=threads, max_rows=max_rows)
+            return head, f"butter ({head.isa})"
         except Unavailable as exc:
             return None, f"llama.cpp ({exc})"
 

@@ -6,16 +6,18 @@ kernels; this computes the same Q8_0 arithmetic with an AVX512-VNNI layout that 
 each weight for up to 8 rows, hooked into llama.cpp's graph evaluation (`cb_eval`) at
 the final norm, so llama.cpp's own projection never runs (RESULTS.md has the numbers).
 
-It is used where it applies and verified: an x86 CPU with AVX512-VNNI, the extension
-built, a CPU-only llama.cpp, a Q8_0 output matrix, no logit soft-capping; and at load,
-one probe token's logits must agree with llama.cpp's own. Anywhere else llama.cpp
-computes the logits as before, and `reason` says why.
+It is used where it applies and verified: an x86 CPU with AVX512-VNNI (or AVX2, a slower
+kernel with the same results), the extension built, a CPU-only llama.cpp, a Q8_0 output
+matrix, no logit soft-capping; and at load, one probe prompt's logits must agree with
+llama.cpp's own. Anywhere else llama.cpp computes the logits as before, and the
+backend's `lm_head` says why.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,11 @@ OUTPUT_TENSORS = ("output.weight", "token_embd.weight")  # untied first, else ti
 
 _P = ctypes.c_void_p
 
+# The kernels in lmhead.c, by the number butter_lmhead_supported() returns (best last).
+ISA_NAMES = {1: "AVX2", 2: "AVX512-VNNI"}
+# Forces a slower kernel than the CPU's best (for tests and benchmarks/lm_head.py).
+ISA_VARIABLE = "BUTTER_LM_HEAD_ISA"
+
 
 class _State(ctypes.Structure):
     """Mirrors `butter_lmhead` in lmhead.c, field for field."""
@@ -46,6 +53,7 @@ class _State(ctypes.Structure):
         ("n_threads", ctypes.c_int32),
         ("armed", ctypes.c_int32), ("max_rows", ctypes.c_int64), ("rows_done", ctypes.c_int64),
         ("out", _P), ("xq", _P), ("xd", _P),
+        ("isa", ctypes.c_int32),
     ]
 
 
@@ -53,21 +61,30 @@ class Unavailable(Exception):
     """Why butter's projection does not apply here (llama.cpp's is used)."""
 
 
-def _native() -> Any:
+def _native() -> tuple[Any, int]:
+    """The kernel library and the instruction set to run it with."""
     try:
         from butter import _lmhead  # type: ignore[attr-defined]
     except ImportError:
         raise Unavailable("butter's native extension is not built") from None
     lib = ctypes.CDLL(_lmhead.__file__)
-    if not lib.butter_lmhead_supported():
-        raise Unavailable("this CPU has no AVX512-VNNI")
+    best = int(lib.butter_lmhead_supported())
+    if not best:
+        raise Unavailable("this CPU has neither AVX512-VNNI nor AVX2")
+    wanted = os.environ.get(ISA_VARIABLE)
+    if wanted:
+        isa = {name.lower(): number for number, name in ISA_NAMES.items()}.get(wanted.lower())
+        if isa is None or isa > best:
+            raise Unavailable(f"{ISA_VARIABLE}={wanted} is not available on this CPU")
+    else:
+        isa = best
     lib.butter_lmhead_pack.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P]
     lib.butter_lmhead_pack.restype = None
-    lib.butter_lmhead_project.argtypes = [_P, _P, ctypes.c_int64]
+    lib.butter_lmhead_project.argtypes = [_P, _P, ctypes.c_int64, ctypes.c_int64]
     lib.butter_lmhead_project.restype = None
     lib.butter_fill_candidates.argtypes = [_P, ctypes.c_int32, _P]
     lib.butter_fill_candidates.restype = None
-    return lib
+    return lib, isa
 
 
 def _ggml_base() -> Any:
@@ -108,7 +125,8 @@ class LmHead:
 
     def __init__(self, path: Path, *, threads: int, max_rows: int) -> None:
         """Raises Unavailable when it does not apply to this model or machine."""
-        self._lib = _native()
+        self._lib, isa = _native()
+        self.isa = ISA_NAMES[isa]
         ggml = _ggml_base()
         rows, n_vocab, n_embd = _q8_0_output(path)
         self.n_vocab, self.n_embd = n_vocab, n_embd
@@ -138,6 +156,7 @@ class LmHead:
             n_tiles, n_embd, n_vocab, threads,
             0, max_rows, 0,
             self.out.ctypes.data, self._xq.ctypes.data, self._xd.ctypes.data,
+            isa,
         )
         self._ggml = ggml  # keeps the accessors' library loaded
 
@@ -174,7 +193,9 @@ class LmHead:
             raise ValueError(f"expected rows of {self.n_embd} floats, got {hidden.shape}")
         if len(hidden) > len(self.out):
             raise ValueError(f"at most {len(self.out)} rows at a time")
-        self._lib.butter_lmhead_project(ctypes.byref(self.state), hidden.ctypes.data, len(hidden))
+        self._lib.butter_lmhead_project(
+            ctypes.byref(self.state), hidden.ctypes.data, len(hidden), 0
+        )
         return self.out[: len(hidden), : self.n_vocab].copy()
 
     def fill_candidates(self, logits: npt.NDArray[np.float32], candidates: Any) -> None:

@@ -5,7 +5,8 @@
  * a 262k x 640 Q8_0 embedding to its output; llama.cpp's x86 kernels run it at ~48 G int8
  * MAC/s on two AVX512-VNNI cores, 70% of an 8-row step. Laid out for VNNI (16 vocabulary
  * rows per 512-bit register, every weight load reused by up to 8 rows), the same
- * arithmetic takes a fifth of the time (benchmarks/RESULTS.md).
+ * arithmetic takes a fifth of the time (benchmarks/RESULTS.md). CPUs with AVX2 but no
+ * AVX512-VNNI get a 256-bit kernel over the same layout, with bit-identical results.
  *
  * How: llama.cpp calls `butter_lmhead_eval` for every graph node (its `cb_eval` hook). When
  * armed, it asks for the final normed hidden state ("result_norm"), computes the logits of
@@ -32,7 +33,13 @@
 #define BUTTER_X86 1
 #include <immintrin.h>
 #define VNNI_TARGET __attribute__((target("avx512f,avx512vnni,f16c")))
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #endif
+
+/* Instruction sets, best last; butter_lmhead_supported() returns the best one here. */
+#define ISA_NONE 0
+#define ISA_AVX2 1
+#define ISA_AVX512_VNNI 2
 
 #define QK 32          /* elements per Q8_0 block */
 #define LANES 16       /* vocabulary rows per tile: one 512-bit register of int32 */
@@ -62,15 +69,21 @@ typedef struct {
     float *out;           /* [max_rows][n_tiles * LANES] */
     uint8_t *xq;          /* [max_rows][n_embd] activations as Q8_0 + 128 */
     float *xd;            /* [max_rows][n_embd / QK] their block scales */
+    int32_t isa;          /* which kernel runs (ISA_*), at most butter_lmhead_supported() */
 } butter_lmhead;
 
 int butter_lmhead_supported(void) {
 #ifdef BUTTER_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni");
-#else
-    return 0;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
+        return ISA_AVX512_VNNI;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")) {
+        return ISA_AVX2;
+    }
 #endif
+    return ISA_NONE;
 }
 
 /* Q8_0 rows as stored in a GGUF ([n_vocab][n_embd / 32] blocks of 34 bytes) into tiles of
@@ -119,9 +132,10 @@ void butter_fill_candidates(const float *logits, int32_t n_vocab, token_data *ou
 
 #ifdef BUTTER_X86
 
-/* ggml's x86 quantize_row_q8_0, plus 128 so the bytes are unsigned (VNNI multiplies
- * unsigned by signed bytes; the weights' block sums take the 128 back out). */
-VNNI_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_embd,
+/* ggml's x86 quantize_row_q8_0. For VNNI `offset` is 128, so the bytes are unsigned (it
+ * multiplies unsigned by signed bytes; the weights' block sums take the 128 back out);
+ * for AVX2 it is 0 and the bytes are the signed values. */
+AVX2_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_embd, int offset,
                                       uint8_t *xq, float *xd) {
     const int64_t nb = n_embd / QK;
     for (int64_t r = 0; r < rows; r++) {
@@ -136,7 +150,7 @@ VNNI_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_em
             xd[r * nb + b] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
             uint8_t *q = xq + r * n_embd + b * QK;
             for (int j = 0; j < QK; j++) {
-                q[j] = (uint8_t)((int)nearbyintf(v[j] * id) + 128);
+                q[j] = (uint8_t)((int)nearbyintf(v[j] * id) + offset);
             }
         }
     }
@@ -197,21 +211,98 @@ VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_
     }
 }
 
+/* The AVX2 kernel: the same tiles, 8 vocabulary rows per 256-bit half. Without VNNI,
+ * products go through maddubs (unsigned x signed bytes into saturating 16-bit pairs), so
+ * it uses ggml's sign trick instead of the +128 offset: |x| times w with x's sign, at most
+ * 2 x 127 x 127 per pair, never saturated. 16 registers hold 4 rows per pass. */
+#define AVX2_ROWS 4
+
+AVX2_TARGET static inline __attribute__((always_inline)) void
+half_rows_avx2(const butter_lmhead *s, int64_t t, int half, const int R, const uint8_t *xq,
+               const float *xd, float *out, int64_t stride) {
+    const int64_t nb = s->n_embd / QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t tb = t * nb + b;
+        const int8_t *w = s->wq + tb * QK * LANES + half * (LANES / 2) * 4;
+        __m256i dot[AVX2_ROWS];
+        for (int r = 0; r < R; r++) {
+            dot[r] = _mm256_setzero_si256();
+        }
+        for (int g = 0; g < GROUPS; g++) {
+            const __m256i weights = _mm256_loadu_si256((const __m256i *)(w + g * LANES * 4));
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * s->n_embd + b * QK + g * 4, sizeof four);
+                const __m256i x = _mm256_set1_epi32(four);
+                const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x),
+                                                           _mm256_sign_epi8(weights, x));
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        const __m256 wscale = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(s->wd + tb * LANES + half * (LANES / 2))));
+        for (int r = 0; r < R; r++) {
+            const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps(out + r * stride + t * LANES + half * (LANES / 2), acc[r]);
+    }
+}
+
+AVX2_TARGET static void project_pass_avx2(const butter_lmhead *s, int R, const uint8_t *xq,
+                                          const float *xd, float *out) {
+    const int64_t nb = s->n_embd / QK;
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        /* a tile's weights (16 x n_embd bytes) stay in L1 across its row groups */
+        for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
+            const uint8_t *x = xq + r0 * s->n_embd;
+            const float *d = xd + r0 * nb;
+            float *o = out + r0 * stride;
+            for (int half = 0; half < 2; half++) {
+                switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
+                case 1: half_rows_avx2(s, t, half, 1, x, d, o, stride); break;
+                case 2: half_rows_avx2(s, t, half, 2, x, d, o, stride); break;
+                case 3: half_rows_avx2(s, t, half, 3, x, d, o, stride); break;
+                default: half_rows_avx2(s, t, half, 4, x, d, o, stride); break;
+                }
+            }
+        }
+    }
+}
+
 #endif /* BUTTER_X86 */
 
-/* Logits of `rows` hidden states (f32, n_embd each) into s->out; rows <= s->max_rows. */
-void butter_lmhead_project(butter_lmhead *s, const float *x, int64_t rows) {
+/* Logits of `rows` hidden states (f32, n_embd each) into rows first.. of s->out;
+ * first + rows <= s->max_rows. */
+void butter_lmhead_project(butter_lmhead *s, const float *x, int64_t rows, int64_t first) {
 #ifdef BUTTER_X86
     const int64_t nb = s->n_embd / QK;
     const int64_t stride = s->n_tiles * LANES;
-    quantize_rows(x, rows, s->n_embd, s->xq, s->xd);
+    uint8_t *xq = s->xq + first * s->n_embd;
+    float *xd = s->xd + first * nb;
+    float *out = s->out + first * stride;
+    const bool vnni = s->isa == ISA_AVX512_VNNI;
+    quantize_rows(x, rows, s->n_embd, vnni ? 128 : 0, xq, xd);
     for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
         const int64_t left = rows - r0;
         const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
-        project_pass(s, R, s->xq + r0 * s->n_embd, s->xd + r0 * nb, s->out + r0 * stride);
+        if (vnni) {
+            project_pass(s, R, xq + r0 * s->n_embd, xd + r0 * nb, out + r0 * stride);
+        } else {
+            project_pass_avx2(s, R, xq + r0 * s->n_embd, xd + r0 * nb, out + r0 * stride);
+        }
     }
 #else
-    (void)s; (void)x; (void)rows;
+    (void)s; (void)x; (void)rows; (void)first;
 #endif
 }
 
@@ -230,12 +321,15 @@ bool butter_lmhead_eval(void *tensor, bool ask, void *user_data) {
     const int64_t rows = elements / s->n_embd;
     const bool plain_f32 = elements % s->n_embd == 0 && s->is_contiguous(tensor) &&
                            s->nbytes(tensor) == (size_t)elements * sizeof(float);
-    if (!plain_f32 || rows > s->max_rows) {
+    /* A decode split into several micro-batches sees this once per micro-batch, in output
+     * order: each one's logits go after the previous ones'. */
+    const int64_t done = s->rows_done;
+    if (!plain_f32 || done < 0 || done + rows > s->max_rows) {
         s->rows_done = -1;
         return true; /* let llama.cpp project these rows itself */
     }
-    butter_lmhead_project(s, (const float *)s->get_data(tensor), rows);
-    s->rows_done = rows;
+    butter_lmhead_project(s, (const float *)s->get_data(tensor), rows, done);
+    s->rows_done = done + rows;
     return false; /* the logits are here: skip llama.cpp's projection */
 }
 
