@@ -7,6 +7,7 @@ the demo model, which must not change when butter computes the logits.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -236,5 +237,35 @@ def test_a_step_with_more_output_rows_than_the_hook_holds_uses_llama_cpp(
         # The next step fits again, and butter's projection takes it.
         backend.step([], [SeqWork(0, (sampled[0].token,), len(prompt), sample=True)])
         assert backend._ours
+    finally:
+        backend.close()
+
+
+def test_every_evaluation_runs_on_one_thread_whoever_calls(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """llama.cpp's OpenMP teams are per calling thread (docs/architecture.md)."""
+    decoding_threads: set[str] = set()
+    decode = llama_backend.ll.llama_decode
+
+    def recording_decode(ctx: object, batch: object) -> int:
+        decoding_threads.add(threading.current_thread().name)
+        return int(decode(ctx, batch))
+
+    monkeypatch.setattr(llama_backend.ll, "llama_decode", recording_decode)
+    backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2)
+    try:
+        prompt = tuple(backend.tokenize("Session 3 talks about boats", add_bos=False))
+        ops = [SetSampler(0, SamplingParams(temperature=0))]
+        callers = [
+            threading.Thread(target=backend.step, args=(ops, [SeqWork(0, prompt, 0, True, True)])),
+            threading.Thread(target=backend.step, args=([RemoveTokens(0, 0)], [])),
+            threading.Thread(target=backend.step, args=([], [SeqWork(0, prompt, 0, True, True)])),
+        ]
+        for caller in callers:  # one after another, each from a new thread
+            caller.start()
+            caller.join()
+        assert len(decoding_threads) == 1
+        assert decoding_threads.pop().startswith("butter-llama")
     finally:
         backend.close()
