@@ -151,6 +151,7 @@ class LlamaCppBackend:
             self.kv_type = kv_type or parse_kv_cache("raw")
             self._lm_head, self.lm_head = self._load_lm_head(
                 path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
+                n_vocab=self.info.n_vocab,
             )
             self._hook = self._lm_head  # referenced by the context (cb_eval) until it is freed
             self._ctx = self._new_context(
@@ -200,7 +201,7 @@ class LlamaCppBackend:
 
     @staticmethod
     def _load_lm_head(
-        path: Path, *, enabled: bool, threads: int, max_rows: int,
+        path: Path, *, enabled: bool, threads: int, max_rows: int, n_vocab: int,
     ) -> tuple[LmHead | None, str]:
         """butter's output projection and "butter", or None and why llama.cpp's is used."""
         if not enabled:
@@ -209,9 +210,11 @@ class LlamaCppBackend:
             return None, "llama.cpp (a GPU build: the hidden state is not in host memory)"
         try:
             head = LmHead(path, threads=threads, max_rows=max_rows)
-            return head, f"butter ({head.isa})"
         except Unavailable as exc:
             return None, f"llama.cpp ({exc})"
+        if head.n_vocab != n_vocab:
+            return None, f"llama.cpp (the output matrix has {head.n_vocab} rows, not {n_vocab})"
+        return head, f"butter ({head.isa})"
 
     def _verify_lm_head(self) -> None:
         """Compare one probe prompt's logits both ways; on disagreement use llama.cpp's."""
