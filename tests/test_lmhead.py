@@ -10,13 +10,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 
 import butter.backends.llama_cpp as llama_backend
-from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+import butter.backends.lmhead as lmhead_module
+from butter.backends.base import BackendError, RemoveTokens, SeqWork, SetSampler
 from butter.backends.gguf_tensors import read_header
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.lmhead import ISA_VARIABLE, LmHead, Unavailable
@@ -64,7 +66,12 @@ def _q8_0_reference(path: Path, hidden: np.ndarray) -> np.ndarray:
     """Logits as ggml defines them: Q8_0 weights times Q8_0-quantized activations."""
     tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
     n_embd, n_vocab = (int(n) for n in tensor.shape)
-    blocks = np.asarray(tensor.data).reshape(n_vocab, n_embd // 32, 34)
+    return _reference(np.asarray(tensor.data).reshape(n_vocab, n_embd // 32, 34), hidden)
+
+
+def _reference(blocks: np.ndarray, hidden: np.ndarray) -> np.ndarray:
+    """`_q8_0_reference` for raw Q8_0 blocks ([n_vocab][n_embd / 32][34 bytes])."""
+    n_embd = blocks.shape[1] * 32
     weight_scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
     weights = blocks[..., 2:].copy().view(np.int8).astype(np.float64)
     x = hidden.reshape(len(hidden), n_embd // 32, 32).astype(np.float32)
@@ -214,12 +221,33 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
 
 def test_a_float_output_matrix_is_left_to_llama_cpp(tmp_path: Path) -> None:
     path = write_tiny_qwen3_gguf(tmp_path / "f32.gguf", quantize=False)
+    with pytest.raises(Unavailable, match=r"output.weight is not Q8_0 \(ggml type 0\)"):
+        lmhead_module._q8_0_output(path)
     backend = LlamaCppBackend(path, n_cells=1024, n_seq=2, n_batch=256, threads=2)
     try:
-        assert backend._lm_head is None
-        assert "not Q8_0" in backend.lm_head or "AVX512-VNNI" in backend.lm_head
+        assert backend._lm_head is None and backend.lm_head.startswith("llama.cpp (")
     finally:
         backend.close()
+
+
+def test_weights_of_minus_128_count_as_minus_128(
+    tiny_gguf: Path, isa: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Quantizers never write -128, but Q8_0 allows it; ggml's kernels handle it."""
+    rng = np.random.default_rng(5)
+    n_vocab, n_embd = 40, 64
+    blocks = np.zeros((n_vocab, n_embd // 32, 34), dtype=np.uint8)
+    blocks[..., :2] = np.full((n_vocab, n_embd // 32), 0.01, np.float16)[..., None].view(np.uint8)
+    quants = rng.integers(-128, 128, size=(n_vocab, n_embd // 32, 32)).astype(np.int8)
+    quants[:5] = -128  # whole rows of the extreme value
+    blocks[..., 2:] = quants.view(np.uint8)
+    rows = blocks.reshape(n_vocab, -1)
+    monkeypatch.setattr(lmhead_module, "_q8_0_output", lambda path: (rows, n_vocab, n_embd))
+    head = _head_or_skip(tiny_gguf)
+    hidden = rng.standard_normal((3, n_embd)).astype(np.float32)
+    reference = _reference(blocks, hidden)
+    np.testing.assert_allclose(head.project(hidden), reference, rtol=0,
+                               atol=1e-5 * np.abs(reference).max())
 
 
 def test_a_step_with_more_output_rows_than_the_hook_holds_uses_llama_cpp(
@@ -239,6 +267,38 @@ def test_a_step_with_more_output_rows_than_the_hook_holds_uses_llama_cpp(
         assert backend._ours
     finally:
         backend.close()
+
+
+def test_a_step_split_into_micro_batches_is_evaluated_again_by_llama_cpp(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """butter's logits of a split step may be out of order: they must never be sampled."""
+    create = llama_backend.ll.llama_init_from_model
+
+    def micro_batches_of_8(model: object, params: Any) -> Any:
+        params.n_ubatch = 8  # llama.cpp then evaluates a 13-row step in two micro-batches
+        return create(model, params)
+
+    monkeypatch.setattr(llama_backend.ll, "llama_init_from_model", micro_batches_of_8)
+    prompts = ["Session 4 talks about boats", "Session 5 likes the sea"]
+    theirs = _backend(tiny_gguf, fast=False)
+    reference, _ = _generate_greedy(theirs, prompts, steps=4)
+    theirs.close()
+    backend = _backend(tiny_gguf, fast=True)
+    try:
+        tokens, _ = _generate_greedy(backend, prompts, steps=4)
+        assert backend.lm_head_redos == 1  # the prompt step; decode steps have 2 rows
+        assert tokens == reference
+    finally:
+        backend.close()
+
+
+def test_a_closed_backend_refuses_steps_and_closes_once(tiny_gguf: Path) -> None:
+    backend = _backend(tiny_gguf, fast=False)
+    backend.close()
+    backend.close()  # a no-op
+    with pytest.raises(BackendError, match="unloaded"):
+        backend.step([], [SeqWork(0, (1,), 0, sample=True)])
 
 
 def test_every_evaluation_runs_on_one_thread_whoever_calls(

@@ -32,7 +32,7 @@ from butter.backends.base import (
     SeqWork,
     ShiftPositions,
 )
-from butter.backends.lmhead import LmHead, Unavailable
+from butter.backends.lmhead import LmHead, Unavailable, Verdict
 from butter.backends.shaping import Shape, StepShaper, padded_outputs
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType, parse_kv_cache
@@ -151,7 +151,7 @@ class LlamaCppBackend:
             self.kv_type = kv_type or parse_kv_cache("raw")
             self._lm_head, self.lm_head = self._load_lm_head(
                 path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
-                n_vocab=self.info.n_vocab,
+                n_vocab=self.info.n_vocab, recurrent=self.info.is_recurrent,
             )
             self._hook = self._lm_head  # referenced by the context (cb_eval) until it is freed
             self._ctx = self._new_context(
@@ -173,6 +173,7 @@ class LlamaCppBackend:
         self.shaper = StepShaper(enabled=step_shaping)
         self._decode_seconds = 0.0  # llama_decode time of the current step
         self._ours = False  # whether butter's projection gave the last decode's logits
+        self.lm_head_redos = 0  # steps evaluated again because llama.cpp split them
         self._samplers: dict[int, Any] = {}
         self._grammars: dict[int, Any] = {}
         self._vocab_ids = np.arange(self.info.n_vocab, dtype=np.int32)
@@ -202,16 +203,22 @@ class LlamaCppBackend:
     @staticmethod
     def _load_lm_head(
         path: Path, *, enabled: bool, threads: int, max_rows: int, n_vocab: int,
+        recurrent: bool,
     ) -> tuple[LmHead | None, str]:
         """butter's output projection and "butter", or None and why llama.cpp's is used."""
         if not enabled:
             return None, "llama.cpp (--no-fast-lm-head)"
         if ll.llama_supports_gpu_offload():
             return None, "llama.cpp (a GPU build: the hidden state is not in host memory)"
+        if recurrent:  # llama.cpp splits their steps per sequence, and they cannot rewind
+            return None, "llama.cpp (a recurrent or hybrid model)"
         try:
             head = LmHead(path, threads=threads, max_rows=max_rows)
         except Unavailable as exc:
             return None, f"llama.cpp ({exc})"
+        except Exception as exc:  # e.g. a library that will not load: serve without it
+            log.warning("butter's output projection failed to load: %r", exc)
+            return None, f"llama.cpp (butter's failed to load: {exc!r})"
         if head.n_vocab != n_vocab:
             return None, f"llama.cpp (the output matrix has {head.n_vocab} rows, not {n_vocab})"
         return head, f"butter ({head.isa})"
@@ -253,7 +260,7 @@ class LlamaCppBackend:
                     ).copy()
                     for row in range(len(tokens))
                 ])
-            if not self._lm_head.computed(len(tokens)):
+            if self._lm_head.verdict(len(tokens)) is not Verdict.OURS:
                 return None
             return np.stack([self._lm_head.row(row).copy() for row in range(len(tokens))])
         finally:
@@ -364,7 +371,11 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
-        return self._thread.submit(self._step, ops, works).result()
+        try:
+            future = self._thread.submit(self._step, ops, works)
+        except RuntimeError:  # the thread is shut down: closed
+            raise BackendError("the model was unloaded") from None
+        return future.result()
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
         self._check_open()
@@ -389,23 +400,44 @@ class LlamaCppBackend:
         """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
         sample_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
         head = self._lm_head
-        if head is not None:
-            head.arm(True)
-        started = time.perf_counter()
-        status = ll.llama_decode(self._ctx, self._batch)
-        ll.llama_synchronize(self._ctx)  # GPU builds return before the work is done
-        self._decode_seconds += time.perf_counter() - started
-        ours = self._ours = head is not None and head.computed(n_outputs)
-        if head is not None:
-            head.arm(False)
+        status, verdict = self._evaluate(head is not None and n_outputs <= head.rows, n_outputs)
+        if status == 0 and verdict is Verdict.NEITHER:
+            # llama.cpp split the step into micro-batches: butter's logits may be out of
+            # order and llama.cpp's incomplete. Rare (a fragmented sliding-window cache);
+            # evaluate the step again with llama.cpp's own projection.
+            self._rewind_batch(works)
+            self.lm_head_redos += 1
+            status, verdict = self._evaluate(False, n_outputs)
+        self._ours = verdict is Verdict.OURS
         if padded:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
         return [
-            self._sample(seq, row, head.row(ordinal) if head is not None and ours else None)
+            self._sample(seq, row, head.row(ordinal) if head is not None and self._ours else None)
             for seq, row, ordinal in sample_rows
         ]
+
+    def _evaluate(self, armed: bool, n_outputs: int) -> tuple[int, Verdict]:
+        """llama_decode of the filled batch, butter's projection armed or not."""
+        head = self._lm_head
+        if head is not None:
+            head.arm(armed)
+        started = time.perf_counter()
+        status = int(ll.llama_decode(self._ctx, self._batch))
+        ll.llama_synchronize(self._ctx)  # GPU builds return before the work is done
+        self._decode_seconds += time.perf_counter() - started
+        if head is None:
+            return status, Verdict.LLAMA
+        verdict = head.verdict(n_outputs)
+        head.arm(False)
+        return status, verdict
+
+    def _rewind_batch(self, works: list[SeqWork]) -> None:
+        """Forget what the last llama_decode of these works wrote into the cache."""
+        for work in works:
+            ll.llama_memory_seq_rm(self._mem, work.seq, work.start, -1)
+        ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
 
     def _apply(self, op: KvOp) -> None:
         if isinstance(op, RemoveTokens):
@@ -605,6 +637,8 @@ class LlamaCppBackend:
 
     def close(self) -> None:
         with self._users.closing():
+            if self._model is None:
+                return  # closed already
             self._thread.submit(self._free).result()  # after the step in flight, if any
         self._thread.shutdown()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,14 @@ class _State(ctypes.Structure):
         ("n_threads", ctypes.c_int32),
         ("armed", ctypes.c_int32), ("max_rows", ctypes.c_int64), ("rows_done", ctypes.c_int64),
         ("out", _P), ("xq", _P), ("xd", _P),
-        ("isa", ctypes.c_int32),
+        ("isa", ctypes.c_int32), ("calls", ctypes.c_int32), ("declined", ctypes.c_int32),
     ]
+
+
+class Verdict(Enum):
+    OURS = "ours"
+    LLAMA = "llama.cpp"
+    NEITHER = "neither"
 
 
 class Unavailable(Exception):
@@ -156,7 +163,7 @@ class LmHead:
             n_tiles, n_embd, n_vocab, threads,
             0, max_rows, 0,
             self.out.ctypes.data, self._xq.ctypes.data, self._xd.ctypes.data,
-            isa,
+            isa, 0, 0,
         )
         self._ggml = ggml  # keeps the accessors' library loaded
 
@@ -176,11 +183,18 @@ class LmHead:
 
     def arm(self, armed: bool) -> None:
         self.state.armed = int(armed)
-        self.state.rows_done = 0
+        self.state.rows_done = self.state.calls = self.state.declined = 0
 
-    def computed(self, rows: int) -> bool:
-        """Whether the last armed decode's `rows` output rows were projected here."""
-        return bool(self.state.armed) and self.state.rows_done == rows
+    def verdict(self, rows: int) -> Verdict:
+        """Whose logits the last decode (with `rows` output rows) left usable."""
+        state = self.state
+        if not state.armed or state.rows_done == 0:
+            return Verdict.LLAMA  # the graph ran to its end every time
+        if state.calls == 1 and state.declined == 0 and state.rows_done == rows:
+            return Verdict.OURS
+        # Split into micro-batches (whose order may not be the batch's), or some of them
+        # stopped and others not: neither buffer holds every row, in order.
+        return Verdict.NEITHER
 
     def row(self, ordinal: int) -> npt.NDArray[np.float32]:
         """The logits of the `ordinal`-th output row of the last step (a view)."""

@@ -65,11 +65,13 @@ typedef struct {
     /* one step */
     int32_t armed;        /* set by the caller before llama_decode */
     int64_t max_rows;
-    int64_t rows_done;    /* rows computed here; -1: more rows than max_rows (llama.cpp's) */
+    int64_t rows_done;    /* rows projected here during this decode (graph stopped each time) */
     float *out;           /* [max_rows][n_tiles * LANES] */
     uint8_t *xq;          /* [max_rows][n_embd] activations as Q8_0 + 128 */
     float *xd;            /* [max_rows][n_embd / QK] their block scales */
     int32_t isa;          /* which kernel runs (ISA_*), at most butter_lmhead_supported() */
+    int32_t calls;        /* micro-batches seen during this decode */
+    int32_t declined;     /* of those, left to llama.cpp (too many rows, unexpected tensor) */
 } butter_lmhead;
 
 int butter_lmhead_supported(void) {
@@ -213,8 +215,9 @@ VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_
 
 /* The AVX2 kernel: the same tiles, 8 vocabulary rows per 256-bit half. Without VNNI,
  * products go through maddubs (unsigned x signed bytes into saturating 16-bit pairs), so
- * it uses ggml's sign trick instead of the +128 offset: |x| times w with x's sign, at most
- * 2 x 127 x 127 per pair, never saturated. 16 registers hold 4 rows per pass. */
+ * it uses ggml's sign trick instead of the +128 offset: |w| times x with w's sign. In this
+ * order a weight of -128 works too (|x| <= 127, so a pair is at most 2 x 128 x 127 and never
+ * saturates). 16 registers hold 4 rows per pass. */
 #define AVX2_ROWS 4
 
 AVX2_TARGET static inline __attribute__((always_inline)) void
@@ -235,12 +238,13 @@ half_rows_avx2(const butter_lmhead *s, int64_t t, int half, const int R, const u
         }
         for (int g = 0; g < GROUPS; g++) {
             const __m256i weights = _mm256_loadu_si256((const __m256i *)(w + g * LANES * 4));
+            const __m256i magnitudes = _mm256_abs_epi8(weights); /* -128 -> 128 as unsigned */
             for (int r = 0; r < R; r++) {
                 int32_t four;
                 memcpy(&four, xq + r * s->n_embd + b * QK + g * 4, sizeof four);
                 const __m256i x = _mm256_set1_epi32(four);
-                const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x),
-                                                           _mm256_sign_epi8(weights, x));
+                const __m256i pairs = _mm256_maddubs_epi16(magnitudes,
+                                                           _mm256_sign_epi8(x, weights));
                 dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
             }
         }
@@ -321,11 +325,13 @@ bool butter_lmhead_eval(void *tensor, bool ask, void *user_data) {
     const int64_t rows = elements / s->n_embd;
     const bool plain_f32 = elements % s->n_embd == 0 && s->is_contiguous(tensor) &&
                            s->nbytes(tensor) == (size_t)elements * sizeof(float);
-    /* A decode split into several micro-batches sees this once per micro-batch, in output
-     * order: each one's logits go after the previous ones'. */
+    /* A decode that llama.cpp splits into micro-batches comes here once per micro-batch,
+     * possibly in another order than the batch's rows: the caller sees `calls` and then
+     * evaluates the step again without the hook (llama_cpp.py). */
+    s->calls++;
     const int64_t done = s->rows_done;
-    if (!plain_f32 || done < 0 || done + rows > s->max_rows) {
-        s->rows_done = -1;
+    if (!plain_f32 || done + rows > s->max_rows) {
+        s->declined++;
         return true; /* let llama.cpp project these rows itself */
     }
     butter_lmhead_project(s, (const float *)s->get_data(tensor), rows, done);
