@@ -22,7 +22,9 @@ from butter.backends.base import BackendError, RemoveTokens, SeqWork, SetSampler
 from butter.backends.gguf_tensors import read_header
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.lmhead import ISA_VARIABLE, LmHead, Unavailable
+from butter.cli import build_parser, settings_from_args
 from butter.sampling import SamplingParams
+from butter.server.resident import ResidentModel
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 
 
@@ -329,3 +331,20 @@ def test_every_evaluation_runs_on_one_thread_whoever_calls(
         assert decoding_threads.pop().startswith("butter-llama")
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("flags", [[], ["--no-fast-lm-head"]])
+def test_the_flag_reaches_the_loaded_backend(tiny_gguf: Path, flags: list[str]) -> None:
+    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf), *flags])
+    resident = ResidentModel.load_sync(settings_from_args(args))
+    try:
+        assert isinstance(resident.backend, LlamaCppBackend)
+        shown = resident.lm_head()  # what /v1/server shows
+        assert shown is not None and shown["by"] == resident.backend.lm_head
+        if flags:
+            assert resident.backend._lm_head is None
+            assert shown["by"] == "llama.cpp (--no-fast-lm-head)"
+        else:
+            assert (resident.backend._lm_head is not None) is shown["by"].startswith("butter")
+    finally:
+        resident.close()

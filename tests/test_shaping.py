@@ -174,5 +174,8 @@ async def test_server_reports_the_shapes_it_chose(tiny_gguf: Path) -> None:
             meta = (await client.get("/server")).json()["model"]["meta"]
         # Two decoding side by side: plain and split were each timed, one was kept.
         assert meta["step_shapes"]["2"] in ("plain", "split")
+        # Who computed the logits, and no step had to be evaluated again.
+        assert meta["lm_head"]["by"].startswith(("butter (", "llama.cpp ("))
+        assert meta["lm_head"]["redone_steps"] == 0
     finally:
         server.stop()

@@ -141,9 +141,12 @@ class ResidentModel:
             return None
         return {str(n): shape for n, shape in self.backend.shaper.verdicts().items()}
 
-    def lm_head(self) -> str | None:
-        """Who computes the logits on llama.cpp, and why (backends/lmhead.py); None: MLX."""
-        return self.backend.lm_head if isinstance(self.backend, LlamaCppBackend) else None
+    def lm_head(self) -> dict[str, Any] | None:
+        """Who computes the logits on llama.cpp and why, and how many steps had to be
+        evaluated again by llama.cpp (docs/architecture.md); None: MLX."""
+        if not isinstance(self.backend, LlamaCppBackend):
+            return None
+        return {"by": self.backend.lm_head, "redone_steps": self.backend.lm_head_redos}
 
     def kv_info(self) -> dict[str, Any]:
         per_token = self.backend.kv_bytes_per_token
