@@ -3,7 +3,9 @@ reuse."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ import trio
 import trio.lowlevel
 
 from butter.backends.base import RemoveTokens
-from butter.engine.engine import Engine, Generation
+from butter.engine.engine import Engine, Generation, _wait_for
 from butter.sampling import SamplingParams
 from butter.server.resident import ResidentModel
 from butter.settings import ServeSettings
@@ -235,3 +237,14 @@ async def test_caches_that_cannot_be_cut_are_only_extended(
     assert forked.cached_tokens == 0  # cutting back is impossible: rebuilt
     _, again = await run(engine, first[:-2] + tokens(resident, " else"), seed=1, max_tokens=2)
     assert again.cached_tokens == 0  # the same prompt would need one token cut: rebuilt
+
+
+async def test_a_step_in_flight_finishes_before_a_cancellation_lands() -> None:
+    """The engine's wait for a step: cancelling it must not abandon the step halfway."""
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        future = thread.submit(lambda: (time.sleep(0.3), "done")[1])  # a step taking 0.3 s
+        results: list[str] = []
+        with trio.move_on_after(0.05) as scope:  # cancelled long before it ends
+            results.append(await _wait_for(future))
+            await trio.lowlevel.checkpoint()  # the cancellation lands at the next checkpoint
+        assert results == ["done"] and scope.cancelled_caught

@@ -47,8 +47,8 @@ async def served(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
                  ) -> AsyncIterator[tuple[str, butter.Model, FaultyStep]]:
     model = await butter.Model.load(str(tiny_gguf), parallel=2, max_context=1024)
     backend = model.resident.backend
-    fault = FaultyStep(backend.step)
-    monkeypatch.setattr(backend, "step", fault)
+    fault = FaultyStep(backend._step)  # what runs on the backend's thread, however called
+    monkeypatch.setattr(backend, "_step", fault)
     server = butter.ServeServer(host="127.0.0.1", port=0,
                                 backend=butter.ButterServeBackend(model=model, model_id="tiny"))
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Protocol
 
 import attrs
@@ -105,4 +106,12 @@ class Backend(Protocol):
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]: ...
 
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+        """`step`, started on the backend's own thread (every evaluation runs there).
+
+        The engine waits for this future directly: one thread hand-off each way instead
+        of two through a trio worker thread (measured 0.62 -> 0.38 ms a step)."""
+        ...
+
     def close(self) -> None: ...
+

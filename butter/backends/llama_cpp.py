@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -371,11 +371,14 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        return self.submit_step(ops, works).result()
+
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+        """`step` on the backend's thread; the engine awaits the future."""
         try:
-            future = self._thread.submit(self._step, ops, works)
+            return self._thread.submit(self._step, ops, works)
         except RuntimeError:  # the thread is shut down: closed
             raise BackendError("the model was unloaded") from None
-        return future.result()
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
         self._check_open()

@@ -26,7 +26,7 @@ import logging
 import threading
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -323,8 +323,12 @@ class MlxBackend:
     # ------------------------------------------------------------------ stepping
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        return self.submit_step(ops, works).result()
+
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+        """`step` on the mlx thread; the engine awaits the future."""
         try:
-            return self._thread.submit(self._step, ops, works).result()
+            return self._thread.submit(self._step, ops, works)
         except RuntimeError as exc:  # the executor shut down: the model is gone
             if self._closed:
                 raise BackendError("the model was unloaded") from None

@@ -2,18 +2,20 @@
 
 Each iteration, between steps and only there, the loop detaches finished requests
 from their sessions, attaches newly admitted requests to sessions (reusing or
-sharing cached prefixes), plans one step, and runs it on the guarded worker thread.
+sharing cached prefixes), plans one step, and runs it on the backend's own thread.
 All session state changes in this one task, so a step in flight never races a
 lease. Requests talk to the loop only through flags and their output buffer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import Literal
+from typing import Literal, TypeVar
 
 import attrs
 import trio
@@ -46,6 +48,27 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A request that does not name max_tokens reserves its completion in steps of this
 # many cells, growing while the pool has room, instead of the whole context at once.
 RESERVATION_STEP = 1024
+
+
+T = TypeVar("T")
+
+
+async def _wait_for(future: Future[T]) -> T:
+    """The result of a future running on another thread, without a trio worker thread.
+
+    Like `trio.to_thread.run_sync`, the wait cannot be cancelled halfway: a step in flight
+    always finishes (its KV writes must be recorded), and a cancellation lands after it."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+
+    def wake(_: Future[T]) -> None:
+        with contextlib.suppress(trio.RunFinishedError):  # (only if the loop is gone)
+            token.run_sync_soon(done.set)
+
+    future.add_done_callback(wake)
+    with trio.CancelScope(shield=True):
+        await done.wait()
+    return future.result()
 
 
 @attrs.define(eq=False)
@@ -166,7 +189,6 @@ class Engine:
         self._joining: list[Generation] = []
         self._ops: list[KvOp] = []
         self._wakeup = trio.Event()
-        self._limiter = trio.CapacityLimiter(1)  # the guarded worker thread
         self._steps = 0
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last bucket is +Inf
         self._step_seconds = 0.0
@@ -252,9 +274,7 @@ class Engine:
         ops, self._ops = self._ops, []
         started = time.perf_counter()
         try:
-            sampled = await trio.to_thread.run_sync(
-                self.backend.step, ops, works, limiter=self._limiter
-            )
+            sampled = await _wait_for(self.backend.submit_step(ops, works))
         except BackendError as exc:
             self._fail_step(works, ops, str(exc))
             return
