@@ -416,8 +416,31 @@ class LlamaCppBackend:
             ll.llama_memory_seq_rm(self._mem, self._pad_seq, -1, -1)
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
+        return self._sample_rows(sample_rows)
+
+    def _sample_rows(self, sample_rows: list[tuple[int, int, int]]) -> list[Sampled]:
+        """Sample every (seq, batch row, output ordinal) of the last decode, in order."""
+        head = self._lm_head
+        ours = head is not None and self._ours
+        plain = [(seq, row, ordinal) for seq, row, ordinal in sample_rows
+                 if seq not in self._grammars]
+        picked: dict[int, int] = {}
+        if head is not None and len(plain) > 1:  # several chains at once, side by side
+            chains = [self._samplers[seq] for seq, _, _ in plain]
+            logits = [
+                head.row_address(ordinal) if ours else self._llama_logits_address(row)
+                for _, row, ordinal in plain
+            ]
+            for (seq, _, _), chain, token in zip(
+                plain, chains, head.sample_rows(chains, logits, ll.llama_sampler_apply),
+                strict=True,
+            ):
+                if token >= 0:
+                    ll.llama_sampler_accept(chain, token)
+                    picked[seq] = token
         return [
-            self._sample(seq, row, head.row(ordinal) if head is not None and self._ours else None)
+            self._sampled(seq, picked[seq]) if seq in picked
+            else self._sample(seq, row, head.row(ordinal) if head is not None and ours else None)
             for seq, row, ordinal in sample_rows
         ]
 
@@ -514,6 +537,9 @@ class LlamaCppBackend:
             chain = self._samplers[seq]
             token = self._choose(chain, self._fill_candidates(logits))
             ll.llama_sampler_accept(chain, token)
+        return self._sampled(seq, token)
+
+    def _sampled(self, seq: int, token: int) -> Sampled:
         return Sampled(
             seq=seq,
             token=token,
@@ -527,6 +553,12 @@ class LlamaCppBackend:
             ordinal = sum(bool(self._batch.logits[earlier]) for earlier in range(row))
             return self._lm_head.row(ordinal).copy()
         return self._llama_logits(row).copy()
+
+    def _llama_logits_address(self, row: int) -> int:
+        address = ctypes.cast(ll.llama_get_logits_ith(self._ctx, row), ctypes.c_void_p).value
+        if address is None:
+            raise BackendError(f"llama.cpp has no logits for batch row {row}")
+        return address
 
     def _llama_logits(self, row: int) -> Any:
         return np.ctypeslib.as_array(

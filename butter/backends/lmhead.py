@@ -91,6 +91,10 @@ def _native() -> tuple[Any, int]:
     lib.butter_lmhead_project.restype = None
     lib.butter_fill_candidates.argtypes = [_P, ctypes.c_int32, _P]
     lib.butter_fill_candidates.restype = None
+    lib.butter_sample_rows.argtypes = [
+        ctypes.c_int32, _P, _P, ctypes.c_int32, _P, _P, ctypes.c_int32, _P,
+    ]
+    lib.butter_sample_rows.restype = None
     return lib, isa
 
 
@@ -149,6 +153,8 @@ class LmHead:
         )
         del rows  # the GGUF mapping: llama.cpp holds its own
         self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
+        self._threads = threads
+        self._sampling_scratch = np.zeros(threads * n_vocab * 3, dtype=np.int32)  # 12 B each
         self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)
         self._xd = np.zeros((max_rows, n_embd // QK), dtype=np.float32)
 
@@ -215,3 +221,21 @@ class LmHead:
     def fill_candidates(self, logits: npt.NDArray[np.float32], candidates: Any) -> None:
         """llama.cpp sampler input {id, logit, p=0} for every token, written in C."""
         self._lib.butter_fill_candidates(logits.ctypes.data, self.n_vocab, candidates.ctypes.data)
+
+    def row_address(self, ordinal: int) -> int:
+        """Where the logits of the last step's `ordinal`-th output row start."""
+        return int(self.out.ctypes.data) + ordinal * self.stride * self.out.itemsize
+
+    def sample_rows(self, chains: list[Any], logits: list[int], apply: Any) -> list[int]:
+        """Each chain's pick from its row's logits (addresses), rows side by side on the
+        model's threads; `apply` is llama_sampler_apply. -1 where a chain picked nothing.
+        The caller accepts the tokens (llama_sampler_accept), as llama_sampler_sample does."""
+        count = len(chains)
+        chain_array = (ctypes.c_void_p * count)(*(ctypes.cast(c, _P).value for c in chains))
+        logits_array = (ctypes.c_void_p * count)(*logits)
+        chosen = (ctypes.c_int32 * count)()
+        self._lib.butter_sample_rows(
+            count, chain_array, logits_array, self.n_vocab, ctypes.cast(apply, _P),
+            self._sampling_scratch.ctypes.data, self._threads, chosen,
+        )
+        return list(chosen)

@@ -26,8 +26,13 @@
 
 #include <math.h>
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define BUTTER_X86 1
@@ -129,6 +134,37 @@ void butter_fill_candidates(const float *logits, int32_t n_vocab, token_data *ou
         out[i].id = i;
         out[i].logit = logits[i];
         out[i].p = 0.0f;
+    }
+}
+
+/* llama.h's llama_token_data_array and llama_sampler_apply. */
+typedef struct {
+    token_data *data; /* samplers may point it elsewhere */
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} token_data_array;
+typedef void (*sampler_apply)(void *sampler, token_data_array *candidates);
+
+/* What llama_sampler_sample does before accepting, for `n` rows at once, side by side on
+ * `n_threads` threads: each row's chain picks a token from that row's logits. Chains are
+ * independent objects (their own RNG and state), so they can run on different threads.
+ * `scratch` holds n_vocab candidates per thread; `chosen[i]` gets row i's token, -1 if its
+ * chain selected nothing. */
+void butter_sample_rows(int32_t n, void *const *chains, const float *const *logits,
+                        int32_t n_vocab, sampler_apply apply, token_data *scratch,
+                        int32_t n_threads, int32_t *chosen) {
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+    for (int32_t i = 0; i < n; i++) {
+#ifdef _OPENMP
+        token_data *candidates = scratch + (size_t)omp_get_thread_num() * (size_t)n_vocab;
+#else
+        token_data *candidates = scratch;
+#endif
+        butter_fill_candidates(logits[i], n_vocab, candidates);
+        token_data_array array = {candidates, (size_t)n_vocab, -1, false};
+        apply(chains[i], &array);
+        chosen[i] = array.selected >= 0 ? array.data[array.selected].id : -1;
     }
 }
 
