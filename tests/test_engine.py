@@ -248,3 +248,16 @@ async def test_a_step_in_flight_finishes_before_a_cancellation_lands() -> None:
             results.append(await _wait_for(future))
             await trio.lowlevel.checkpoint()  # the cancellation lands at the next checkpoint
         assert results == ["done"] and scope.cancelled_caught
+
+
+async def test_waiting_for_a_step_returns_its_result_or_its_error() -> None:
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        done = thread.submit(lambda: "early")
+        done.result()  # already finished before anyone waits
+        assert await _wait_for(done) == "early"
+
+        def fail() -> str:
+            raise ValueError("the step failed")
+
+        with pytest.raises(ValueError, match="the step failed"):
+            await _wait_for(thread.submit(fail))

@@ -431,13 +431,14 @@ class LlamaCppBackend:
                 head.row_address(ordinal) if ours else self._llama_logits_address(row)
                 for _, row, ordinal in plain
             ]
+            assert len({seq for seq, _, _ in plain}) == len(plain)  # one row per chain
             for (seq, _, _), chain, token in zip(
                 plain, chains, head.sample_rows(chains, logits, ll.llama_sampler_apply),
                 strict=True,
             ):
                 if token >= 0:
                     ll.llama_sampler_accept(chain, token)
-                    picked[seq] = token
+                picked[seq] = token
         return [
             self._sampled(seq, picked[seq]) if seq in picked
             else self._sample(seq, row, head.row(ordinal) if head is not None and ours else None)
@@ -540,6 +541,9 @@ class LlamaCppBackend:
         return self._sampled(seq, token)
 
     def _sampled(self, seq: int, token: int) -> Sampled:
+        if token < 0:  # (the chains butter builds always keep a token: never seen)
+            return Sampled(seq=seq, token=0, piece=b"", end_of_generation=True,
+                           error="the sampler chain selected no token")
         return Sampled(
             seq=seq,
             token=token,

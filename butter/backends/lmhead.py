@@ -153,8 +153,8 @@ class LmHead:
         )
         del rows  # the GGUF mapping: llama.cpp holds its own
         self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
-        self._threads = threads
-        self._sampling_scratch = np.zeros(threads * n_vocab * 3, dtype=np.int32)  # 12 B each
+        self._threads = max(1, threads)
+        self._sampling_scratch = np.zeros(self._threads * n_vocab * 3, dtype=np.int32)  # 12 B each
         self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)
         self._xd = np.zeros((max_rows, n_embd // QK), dtype=np.float32)
 
@@ -166,7 +166,7 @@ class LmHead:
             address(ggml.ggml_nelements), address(ggml.ggml_nbytes),
             address(ggml.ggml_is_contiguous),
             self._wq.ctypes.data, self._wd.ctypes.data, self._wsum.ctypes.data,
-            n_tiles, n_embd, n_vocab, threads,
+            n_tiles, n_embd, n_vocab, self._threads,
             0, max_rows, 0,
             self.out.ctypes.data, self._xq.ctypes.data, self._xd.ctypes.data,
             isa, 0, 0,

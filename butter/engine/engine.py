@@ -56,18 +56,18 @@ T = TypeVar("T")
 async def _wait_for(future: Future[T]) -> T:
     """The result of a future running on another thread, without a trio worker thread.
 
-    Like `trio.to_thread.run_sync`, the wait cannot be cancelled halfway: a step in flight
-    always finishes (its KV writes must be recorded), and a cancellation lands after it."""
+    Like `trio.to_thread.run_sync`, the wait cannot be interrupted (not by a cancellation,
+    not by Ctrl+C): a step in flight always finishes, since its KV writes must be recorded,
+    and whatever interrupted it lands at the next checkpoint."""
+    task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
-    done = trio.Event()
 
-    def wake(_: Future[T]) -> None:
+    def wake(_: Future[T]) -> None:  # on the backend's thread (or here, if already done)
         with contextlib.suppress(trio.RunFinishedError):  # (only if the loop is gone)
-            token.run_sync_soon(done.set)
+            token.run_sync_soon(trio.lowlevel.reschedule, task)
 
     future.add_done_callback(wake)
-    with trio.CancelScope(shield=True):
-        await done.wait()
+    await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
     return future.result()
 
 

@@ -154,6 +154,9 @@ typedef void (*sampler_apply)(void *sampler, token_data_array *candidates);
 void butter_sample_rows(int32_t n, void *const *chains, const float *const *logits,
                         int32_t n_vocab, sampler_apply apply, token_data *scratch,
                         int32_t n_threads, int32_t *chosen) {
+    if (n_threads < 1) {
+        n_threads = 1; /* (0 would mean OpenMP's default team, beyond the scratch) */
+    }
     #pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
     for (int32_t i = 0; i < n; i++) {
 #ifdef _OPENMP
