@@ -537,7 +537,8 @@ class LlamaCppBackend:
         else:  # what llama_sampler_sample does, on butter's logits
             chain = self._samplers[seq]
             token = self._choose(chain, self._fill_candidates(logits))
-            ll.llama_sampler_accept(chain, token)
+            if token >= 0:
+                ll.llama_sampler_accept(chain, token)
         return self._sampled(seq, token)
 
     def _sampled(self, seq: int, token: int) -> Sampled:
@@ -578,10 +579,14 @@ class LlamaCppBackend:
         """
         chain, grammar = self._samplers[seq], self._grammars[seq]
         token = self._choose(chain, self._fill_candidates(logits))
+        if token < 0:
+            return token  # (ends the request: see _sampled)
         single = np.array([(token, 0.0, 0.0)], dtype=self._candidates.dtype)
         ll.llama_sampler_apply(grammar, ctypes.byref(self._as_array(single)))
         if not np.isfinite(single["logit"][0]):
             token = self._choose_allowed(chain, grammar, logits)
+            if token < 0:
+                return token
         ll.llama_sampler_accept(grammar, token)
         ll.llama_sampler_accept(chain, token)
         return token
@@ -619,7 +624,7 @@ class LlamaCppBackend:
     def _choose(self, chain: Any, candidates: Any) -> int:
         array = self._as_array(candidates)
         ll.llama_sampler_apply(chain, ctypes.byref(array))
-        return int(array.data[array.selected].id)
+        return int(array.data[array.selected].id) if array.selected >= 0 else -1
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError) what this backend cannot honour, before admission."""
