@@ -261,3 +261,14 @@ async def test_waiting_for_a_step_returns_its_result_or_its_error() -> None:
 
         with pytest.raises(ValueError, match="the step failed"):
             await _wait_for(thread.submit(fail))
+
+
+def test_step_times_fall_in_the_first_bucket_that_holds_them(resident: ResidentModel) -> None:
+    engine = Engine(resident.backend, parallel=1, max_context=64, prefill_chunk=8, max_queue=1)
+    for seconds in (0.005, 0.006, 0.3, 3.0):  # a bound itself counts in its own bucket
+        engine._observe_step(seconds)
+    buckets, total = engine.step_histogram()
+    cumulative = dict(buckets)
+    assert (cumulative["0.005"], cumulative["0.01"], cumulative["0.25"]) == (1, 2, 2)
+    assert (cumulative["0.5"], cumulative["2.5"], cumulative["+Inf"]) == (3, 3, 4)
+    assert total == pytest.approx(3.311)

@@ -16,10 +16,10 @@ import attrs
 
 _MAGIC = b"GGUF"
 _STRING, _ARRAY = 8, 9
-# Value type -> size in bytes, for the fixed-size ones.
-_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+# Fixed-size value types: their struct format, and their size in bytes.
 _SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
                    10: "<Q", 11: "<q", 12: "<d"}
+_FIXED = {kind: struct.calcsize(fmt) for kind, fmt in _SCALAR_FORMATS.items()}
 DEFAULT_ALIGNMENT = 32
 
 

@@ -254,12 +254,7 @@ class LlamaCppBackend:
             if ll.llama_decode(self._ctx, batch) != 0:
                 raise ModelLoadError("llama.cpp could not evaluate the probe prompt")
             if not armed:
-                return np.stack([
-                    np.ctypeslib.as_array(
-                        ll.llama_get_logits_ith(self._ctx, row), shape=(self.info.n_vocab,)
-                    ).copy()
-                    for row in range(len(tokens))
-                ])
+                return np.stack([self._llama_logits(row).copy() for row in range(len(tokens))])
             if self._lm_head.verdict(len(tokens)) is not Verdict.OURS:
                 return None
             return np.stack([self._lm_head.row(row).copy() for row in range(len(tokens))])
@@ -515,12 +510,13 @@ class LlamaCppBackend:
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset == last
-                logits[row] = wants or spare_outputs > 0
+                output = wants or spare_outputs > 0
+                logits[row] = output
                 if wants:
                     sample_rows.append((work.seq, row, n_outputs))
                 elif spare_outputs > 0:
                     spare_outputs -= 1
-                n_outputs += bool(logits[row])
+                n_outputs += output
                 row += 1
         batch.n_tokens = row
         return sample_rows, n_outputs, padding > 0

@@ -9,6 +9,7 @@ lease. Requests talk to the loop only through flags and their output buffer.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import time
@@ -37,9 +38,9 @@ from butter.errors import ContextLengthExceeded
 from butter.kv import KvWindow
 from butter.sampling import SamplingParams
 
-# "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
 log = logging.getLogger("butter")
 
+# "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
 FinishReason = Literal["stop", "length", "error", "aborted"]
 
 # Upper bounds (seconds) of the step-time histogram exported on /metrics.
@@ -305,9 +306,7 @@ class Engine:
     def _observe_step(self, seconds: float) -> None:
         self._steps += 1
         self._step_seconds += seconds
-        index = next((i for i, bound in enumerate(STEP_BUCKETS) if seconds <= bound),
-                     len(STEP_BUCKETS))
-        self._step_counts[index] += 1
+        self._step_counts[bisect.bisect_left(STEP_BUCKETS, seconds)] += 1  # first bound >= it
 
     def step_histogram(self) -> tuple[list[tuple[str, int]], float]:
         """Cumulative (upper bound, count) buckets and the sum, Prometheus-style."""
