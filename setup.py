@@ -14,7 +14,7 @@ openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []
 setup(
     ext_modules=[
         Extension(
-            "butter._lmhead",
+            "butter.backends._lmhead",
             sources=["butter/native/lmhead.c"],
             extra_compile_args=["-O3", *openmp],
             extra_link_args=openmp,

@@ -30,7 +30,7 @@ async def measure(path: Path, concurrency: int, max_tokens: int, batched: bool,
                                                     max_context=2048, kv_cache=kv_cache))
     backend = model.resident.backend
     assert isinstance(backend, MlxBackend)
-    backend._can_batch = backend._can_batch and batched  # the switch under test
+    backend.caches.can_batch = backend.caches.can_batch and batched  # the switch under test
     engine = model.resident.engine
     counts: list[int] = []
 

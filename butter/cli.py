@@ -14,10 +14,10 @@ from butter import settings as defaults
 from butter.bench import command as bench_command
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_aura_decode_path, parse_kv_cache
-from butter.model import Model
+from butter.pipeline.loaded import LoadedModel
+from butter.pipeline.resident import ResidentModel
 from butter.server.backends import ResidentServeBackend, gguf_precheck
-from butter.server.resident import ResidentModel
-from butter.server.serve import ROUTES, ServeServer
+from butter.server.serve import ServeServer
 from butter.settings import ServeSettings
 
 log = logging.getLogger("butter")
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "omits it (templates that support thinking)")
     serve.add_argument("--reasoning-effort", choices=("low", "medium", "high"),
                        help="default reasoning_effort passed to the template")
+    serve.add_argument("--strict-max-tokens", action="store_true",
+                       help="refuse (400) a max_tokens larger than the context still holds, "
+                            "instead of clamping it to what fits (the default)")
     serve.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     bench_command.add_parser(commands)
     return parser
@@ -131,7 +134,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
         models_dir=args.models_dir, allow_swap=args.allow_swap, kv_cache=args.kv_cache,
         aura_decode_path=args.aura_decode_path, kv_window_size=args.kv_window_size,
-        kv_window_keep=args.kv_window_keep,
+        kv_window_keep=args.kv_window_keep, strict_max_tokens=args.strict_max_tokens,
     )
 
 
@@ -152,11 +155,11 @@ def _log_kv_notes(settings: ServeSettings) -> None:
 
 async def serve_command(settings: ServeSettings) -> None:
     _log_kv_notes(settings)
-    model = await Model.from_settings(settings)  # boot failures end here, in one line
+    model = await LoadedModel.from_settings(settings)  # boot failures end here, in one line
 
-    async def load(model_id: str) -> Model:
-        return await Model.from_settings(settings, None if model_id == settings.model
-                                         else model_id)
+    async def load(model_id: str) -> LoadedModel:
+        return await LoadedModel.from_settings(settings, None if model_id == settings.model
+                                               else model_id)
 
     backend = ResidentServeBackend(
         loader=load, initial=model, initial_model_id=settings.model,
@@ -173,7 +176,7 @@ async def serve_command(settings: ServeSettings) -> None:
             nursery.start_soon(server.shutdown_on_signals)
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
-            _print_banner(backend.current, host, port)
+            _print_banner(backend.current, host, port, server.routes())
         log.info("butter stopped")
     finally:
         with trio.CancelScope(shield=True):
@@ -199,7 +202,7 @@ async def _exit_if_shutdown_hangs(server: ServeServer) -> None:
     os._exit(0)
 
 
-def _print_banner(resident: ResidentModel, host: str, port: int) -> None:
+def _print_banner(resident: ResidentModel, host: str, port: int, routes: list[str]) -> None:
     meta = resident.metadata()
     kv = meta["kv"]
     base = f"http://{host}:{port}"
@@ -213,7 +216,7 @@ def _print_banner(resident: ResidentModel, host: str, port: int) -> None:
         + (f", window {kv['window_size']} keep {kv['window_keep']}" if kv["window_size"]
            else ""),
         f"  base URL for OpenAI clients: {base}/v1",
-        *(f"  {route}" for route in ROUTES),
+        *(f"  {route}" for route in routes),
     ]
     print("\n".join(lines), flush=True)
 

@@ -13,20 +13,20 @@ client disconnect.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import trio
 
-from butter.chat.markup import ContentDelta, ReasoningDelta, ToolCall
+from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
+from butter.chat.request import FinishReason, TextPrompt, Usage
+from butter.pipeline.loaded import LoadedModel
+from butter.pipeline.output import OutputAssembler
+from butter.pipeline.prepare import PreparedGeneration, prepare
+from butter.pipeline.run import finish_reason, generated_events, running, usage
 from butter.protocol import openai
-from butter.server import chat_completions as chat
-from butter.server.resident import ResidentModel
 from butter.settings import ServeSettings, usable_cores
-
-log = logging.getLogger("butter")
 
 # The library's default session pool: the README example serves 8 concurrent requests.
 DEFAULT_LIBRARY_PARALLEL = 8
@@ -41,18 +41,20 @@ class Piece:
     text: str = ""
     reasoning: str = ""
     tool_call: ToolCall | None = None
-    finish_reason: str | None = None
-    usage: openai.Usage | None = None
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+
+    @classmethod
+    def of(cls, event: Event) -> Piece:
+        if isinstance(event, ContentDelta):
+            return cls(text=event.text)
+        if isinstance(event, ReasoningDelta):
+            return cls(reasoning=event.text)
+        return cls(tool_call=event)
 
 
-class Model:
-    def __init__(self, resident: ResidentModel) -> None:
-        """Use `await Model.load(...)`; this wraps an already loaded model."""
-        self._resident = resident
-        self._engine_scope = trio.CancelScope()
-        self._engine_done = trio.Event()
-        self._closed = False
-        trio.lowlevel.spawn_system_task(self._run_engine, name=f"butter engine {self.id}")
+class Model(LoadedModel):
+    """A loaded model with its engine running, and generation for trio code."""
 
     @classmethod
     async def load(
@@ -72,40 +74,6 @@ class Model:
         )
         return await cls.from_settings(settings)
 
-    @classmethod
-    async def from_settings(cls, settings: ServeSettings, model: str | None = None) -> Model:
-        return cls(await ResidentModel.load(settings, model))
-
-    @property
-    def id(self) -> str:
-        return self._resident.model_id
-
-    @property
-    def resident(self) -> ResidentModel:
-        """The loaded model's parts (backend, engine, template), for servers."""
-        return self._resident
-
-    async def _run_engine(self) -> None:
-        try:
-            with self._engine_scope:
-                await self._resident.engine.run()
-        except Exception:  # a bug must not take the whole trio run down with it
-            log.exception("the engine of %r stopped", self.id)
-        finally:
-            self._engine_done.set()
-
-    async def aclose(self, reason: str = "the model was unloaded") -> None:
-        """End every request of this model, stop its engine and free its memory."""
-        if self._closed:
-            return
-        self._closed = True
-        self._resident.engine.abort_all(reason)
-        self._engine_scope.cancel()
-        await self._engine_done.wait()
-        await trio.to_thread.run_sync(self._resident.close)
-
-    # ------------------------------------------------------------------ generation
-
     async def generate(self, prompt: Prompt, **options: Any) -> str:
         """The whole answer's text (see generate_stream for the options)."""
         parts = [piece.text async for piece in self.generate_stream(prompt, **options)]
@@ -121,28 +89,20 @@ class Model:
         chat_template_kwargs, reasoning_effort.
         """
         prepared = self._prepare(prompt, options)
-        assembler = chat.OutputAssembler(prepared)
-        async with chat.running(self._resident, prepared) as generation:
-            async for event in chat.generated_events(generation, assembler):
-                if isinstance(event, ContentDelta):
-                    yield Piece(text=event.text)
-                elif isinstance(event, ReasoningDelta):
-                    yield Piece(reasoning=event.text)
-                elif isinstance(event, ToolCall):
-                    yield Piece(tool_call=event)
-        yield Piece(finish_reason=chat.finish_reason(generation, assembler),
-                    usage=chat.usage(generation))
+        assembler = OutputAssembler(prepared)
+        async with running(self.resident, prepared) as generation:
+            async for event in generated_events(generation, assembler):
+                if event is not None:
+                    yield Piece.of(event)
+        yield Piece(finish_reason=finish_reason(generation, assembler),
+                    usage=usage(generation))
 
-    def _prepare(self, prompt: Prompt, options: Mapping[str, Any]) -> chat.PreparedChat:
-        if isinstance(prompt, str):
-            # Validate the options through the chat parser, then complete the raw text.
-            request = openai.parse_chat_request(
-                {"messages": [{"role": "user", "content": prompt}], **options}
-            )
-            tokens = self._resident.tokenize_prompt(prompt)
-            return chat.prepare_tokens(self._resident, request, tokens)
-        request = openai.parse_chat_request({"messages": list(prompt), **options})
-        return chat.prepare(self._resident, request)
+    def _prepare(self, prompt: Prompt, options: Mapping[str, Any]) -> PreparedGeneration:
+        # Options are validated by the chat request's parser, as an HTTP client's would be.
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        request = openai.parse_chat_request({"messages": list(messages), **options})
+        raw = TextPrompt(prompt) if isinstance(prompt, str) else None
+        return prepare(self.resident, openai.generation_request(request, prompt=raw))
 
 
 def generate(model: str, prompt: Prompt, **options: Any) -> str:

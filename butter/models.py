@@ -86,3 +86,21 @@ def demo_model_path() -> Path:
         return Path(demo.assemble())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not assemble the demo model: {exc}") from None
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_file(path: Path) -> None:
+    """Cheap validation before touching the resident model: exists, readable, GGUF magic."""
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if not path.is_file():
+        raise ModelLoadError(f"model path is not a file: {path}")
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise ModelLoadError(f"model file is not readable: {path}: {exc.strerror}") from None
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")

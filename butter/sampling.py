@@ -3,11 +3,30 @@
 Defaults (for fields a client omits) follow llama-server's documented ones:
 temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, repeat/presence/frequency
 penalties off, a random seed. Listed in the README.
+
+Order of effect, the same in every backend (llama.cpp's sampler chain, and llama-server's
+default order):
+
+1. penalties (repeat, frequency, presence) over the request's last `penalty_last_n`
+   generated tokens;
+2. top-k: the k highest logits;
+3. top-p: the smallest set of those, most likely first, whose probability reaches p
+   (probabilities at temperature 1, over what top-k kept);
+4. min-p: those at least min_p times as likely as the most likely one;
+5. temperature: the surviving logits divided by it, then one draw from their softmax.
+   Temperature 0 (or below) is greedy: the highest penalized logit, no filters.
+
+So temperature changes how the survivors share the probability, never which tokens
+survive. With an output constraint, the token drawn is checked against the grammar;
+only when the grammar forbids it, steps 2-5 run again on the tokens it allows.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -26,6 +45,26 @@ def random_seed() -> int:
 
 
 @attrs.frozen
+class OutputConstraint:
+    """The output is JSON that follows a schema: alone, or as exactly one tool call,
+    `<tool_call>\\n{json}\\n</tool_call>`.
+
+    Built by butter/chat/grammar.py (which owns the markers); each backend compiles it
+    into its own grammar engine's form, once per distinct value."""
+
+    schema_json: str  # the JSON schema, as JSON text: hashable, so compiled once per value
+    tool_call: bool = False
+
+    @classmethod
+    def of(cls, schema: Mapping[str, Any], *, tool_call: bool = False) -> OutputConstraint:
+        return cls(schema_json=json.dumps(schema), tool_call=tool_call)
+
+    @property
+    def schema(self) -> Any:
+        return json.loads(self.schema_json)
+
+
+@attrs.frozen
 class SamplingParams:
     temperature: float = DEFAULT_TEMPERATURE
     top_k: int = DEFAULT_TOP_K
@@ -36,7 +75,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     penalty_last_n: int = DEFAULT_PENALTY_LAST_N
-    grammar: str | None = None  # GBNF that constrains the output (tool calls, JSON)
+    # What the output must follow (a forced tool call, JSON); each backend compiles it.
+    grammar: OutputConstraint | None = None
 
     @property
     def greedy(self) -> bool:

@@ -73,6 +73,10 @@ class ServeSettings:
     kv_window_keep: int | None = None
     models_dir: str | None = None
     allow_swap: bool = True
+    # A max_tokens beyond what the context still holds: clamped to it (False), or refused
+    # with a 400 (True). Clamped by default, as llama-server does: agents such as Claude
+    # Code ask for 32000 tokens whatever the model's context.
+    strict_max_tokens: bool = False
     enable_thinking: bool | None = None  # template default when a client does not say
     reasoning_effort: str | None = None  # likewise, for `reasoning_effort`
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+from butter.chat.request import Usage
 from butter.errors import InvalidRequest
 from butter.protocol import anthropic, openai
 from butter.protocol.openai import template_messages
@@ -73,14 +75,20 @@ def test_errors_in_anthropic_shape() -> None:
         anthropic.parse_messages_request({"messages": [{"role": "user", "content": "x"}]})
     assert missing.value.anthropic_body()["error"]["type"] == "invalid_request_error"
     with pytest.raises(InvalidRequest, match="role"):
-        _convert({"max_tokens": 1, "messages": [{"role": "system", "content": "x"}]})
+        _convert({"max_tokens": 1, "messages": [{"role": "tool", "content": "x"}]})
+    with pytest.raises(InvalidRequest, match=r"thinking\.type"):
+        _convert({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                  "thinking": {"type": "sometimes"}})
+    with pytest.raises(InvalidRequest, match=r"output_config\.effort"):
+        _convert({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
+                  "output_config": {"effort": "extreme"}})
     with pytest.raises(InvalidRequest, match="image"):
         _convert({"max_tokens": 1, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]})
 
 
 def test_results_convert_back() -> None:
-    usage = openai.Usage(prompt_tokens=100, completion_tokens=7, cached_tokens=60)
+    usage = Usage(prompt_tokens=100, completion_tokens=7, cached_tokens=60)
     assert anthropic.usage_body(usage) == {"input_tokens": 40, "output_tokens": 7,
                                            "cache_read_input_tokens": 60,
                                            "cache_creation_input_tokens": 0}
@@ -90,3 +98,117 @@ def test_results_convert_back() -> None:
     assert anthropic.stop_reason("stop", None) == "end_turn"
     block = anthropic.tool_use_block("toolu_1", "f", json.dumps({"a": [1]}))
     assert block == {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": [1]}}
+
+
+# ---------------------------------------------------------------- what Claude Code sends
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=sdk-cli;"
+
+
+def _claude_code_request(**overrides: Any) -> dict[str, Any]:
+    """The shape of Claude Code 2.1's requests (read off the wire), trimmed."""
+    request: dict[str, Any] = {
+        "model": "gemma-3-270m", "max_tokens": 32000, "stream": True,
+        "system": [
+            {"type": "text", "text": BILLING},
+            {"type": "text", "text": "You are Claude Code.",
+             "cache_control": {"type": "ephemeral"}},
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            {"role": "system", "content": [{"type": "text", "text": "<reminder>today</reminder>"}]},
+            {"role": "user", "content": [{"type": "text", "text": "and again",
+                                          "cache_control": {"type": "ephemeral"}}]},
+        ],
+        "thinking": {"type": "adaptive", "display": "omitted"},
+        "output_config": {"effort": "high"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "metadata": {"user_id": "user_abc_account__session_123"},
+    }
+    request.update(overrides)
+    return request
+
+
+def test_system_messages_inside_messages_stay_in_place_in_order() -> None:
+    chat = _convert(_claude_code_request())
+    roles = [(m.role, openai.message_text(m.content)) for m in chat.messages]
+    assert roles == [("system", "You are Claude Code."), ("user", "hi"),
+                     ("system", "<reminder>today</reminder>"), ("user", "and again")]
+
+
+def test_the_billing_header_never_reaches_the_prompt() -> None:
+    first = _convert(_claude_code_request())
+    other = _convert(_claude_code_request(system=[
+        {"type": "text", "text": BILLING.replace("abc", "def")},
+        {"type": "text", "text": "You are Claude Code."}]))
+    assert template_messages(first) == template_messages(other)
+    assert all("billing" not in (openai.message_text(m.content) or "") for m in first.messages)
+    # A system prompt that is only the billing header leaves no system message at all.
+    alone = _convert(_claude_code_request(system=BILLING))
+    assert [m.role for m in alone.messages] == ["user", "system", "user"]
+
+
+def test_adaptive_thinking_and_effort_reach_the_template() -> None:
+    chat = _convert(_claude_code_request())
+    assert openai.template_kwargs(chat) == {"enable_thinking": True, "reasoning_effort": "high"}
+    off = _convert(_claude_code_request(thinking={"type": "disabled"},
+                                        output_config={"effort": "max"}))
+    assert openai.template_kwargs(off) == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert not anthropic.shows_thinking(anthropic.parse_messages_request(_claude_code_request()))
+    shown = _claude_code_request(thinking={"type": "enabled", "budget_tokens": 1024})
+    assert anthropic.shows_thinking(anthropic.parse_messages_request(shown))
+
+
+def test_count_tokens_takes_the_same_fields() -> None:
+    payload = _claude_code_request()
+    for name in ("max_tokens", "stream", "metadata", "context_management"):
+        payload.pop(name)
+    chat = anthropic.to_chat_request(anthropic.parse_count_tokens_request(payload))
+    assert [m.role for m in chat.messages] == ["system", "user", "system", "user"]
+
+
+def test_omitted_thinking_blocks_still_open_and_close_in_the_stream() -> None:
+    from butter.chat.markup import ContentDelta, ReasoningDelta
+    from butter.server.messages import _StreamBlocks
+
+    def events(show: bool) -> list[dict[str, Any]]:
+        blocks = _StreamBlocks(show_thinking=show)
+        frames = [*blocks.on(ReasoningDelta("let me think")), *blocks.on(ContentDelta("Hi")),
+                  *blocks.close()]
+        return [json.loads(frame.split(b"data: ", 1)[1]) for frame in frames]
+
+    omitted = events(False)
+    assert [(e["type"], e.get("index")) for e in omitted] == [
+        ("content_block_start", 0), ("content_block_stop", 0),
+        ("content_block_start", 1), ("content_block_delta", 1), ("content_block_stop", 1)]
+    assert omitted[0]["content_block"]["type"] == "thinking"
+    assert "let me think" not in json.dumps(omitted)
+    shown = events(True)
+    assert shown[1]["delta"] == {"type": "thinking_delta", "thinking": "let me think"}
+
+
+def test_tool_search_results_and_deferred_tools() -> None:
+    """Claude Code's ToolSearch: deferred tools are not offered until a search answers
+    with a tool_reference (then the client sends the tool without defer_loading)."""
+    read = {"name": "Read", "input_schema": {"type": "object"}}
+    placeholder = {"name": "DeferredToolPlaceholder", "input_schema": {},
+                   "defer_loading": True}
+    chat = _convert(_claude_code_request(
+        tools=[read, placeholder],
+        messages=[
+            {"role": "user", "content": "fetch it"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                               "name": "ToolSearch", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "tool_reference",
+                                                       "tool_name": "WebFetch"}]}]},
+        ]))
+    assert [tool.function.name for tool in chat.tools or []] == ["Read"]
+    tool_message = next(m for m in chat.messages if m.role == "tool")
+    assert openai.message_text(tool_message.content) == "Tool loaded: WebFetch"
+
+
+def test_every_effort_claude_code_sends_is_accepted() -> None:
+    for effort, level in (("low", "low"), ("xhigh", "high"), ("max", "high")):
+        chat = _convert(_claude_code_request(output_config={"effort": effort}))
+        assert openai.template_kwargs(chat)["reasoning_effort"] == level

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import anthropic
 import httpx
 import pytest
@@ -113,3 +117,75 @@ def test_pings_while_a_long_prompt_is_prefilled(demo_server: ServerProcess) -> N
     assert "ping" in kinds
     assert kinds.index("ping") < kinds.index("content_block_start")
     assert kinds[-1] == "message_stop"
+
+
+# ---------------------------------------------------------------- Claude Code's requests
+
+SMALL_CONTEXT = 512
+BILLING = "x-anthropic-billing-header: cc_version=2.1.332.{}; cc_entrypoint=sdk-cli;"
+
+
+@pytest.fixture(scope="module")
+def small_context_server(demo_gguf: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["--model", str(demo_gguf), "--alias", MODEL, "--parallel", "2",
+                            "--max-context", str(SMALL_CONTEXT)])
+    yield server
+    server.stop()
+
+
+def _agent_request(build: str, question: str) -> dict[str, Any]:
+    """What Claude Code sends (see DESIGN.md), with a long system prompt."""
+    return {
+        "model": MODEL, "max_tokens": 32000,
+        "system": [{"type": "text", "text": BILLING.format(build)},
+                   {"type": "text", "text": "You are a careful assistant. " * 40,
+                    "cache_control": {"type": "ephemeral"}}],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+            {"role": "system", "content": [{"type": "text", "text": "<reminder>Be kind."
+                                                                    "</reminder>"}]},
+            {"role": "user", "content": [{"type": "text", "text": question,
+                                          "cache_control": {"type": "ephemeral"}}]},
+        ],
+        "extra_body": {"thinking": {"type": "adaptive", "display": "omitted"},
+                       "output_config": {"effort": "high"},
+                       "context_management": {"edits": []},
+                       "metadata": {"user_id": "user_1_account__session_2"}},
+    }
+
+
+def test_claude_code_request_is_served_with_max_tokens_clamped(
+    small_context_server: ServerProcess,
+) -> None:
+    client = anthropic.Anthropic(base_url=small_context_server.base_url, api_key="k",
+                                 max_retries=0, timeout=120)
+    with client.beta.messages.stream(**_agent_request("a", "Tell me a long story.")) as stream:
+        final = stream.get_final_message()
+    used = final.usage
+    prompt = used.input_tokens + (used.cache_read_input_tokens or 0)
+    assert prompt + used.output_tokens <= SMALL_CONTEXT
+    if final.stop_reason == "max_tokens":  # the base model usually runs on: to the context
+        assert prompt + used.output_tokens == SMALL_CONTEXT
+    else:
+        assert final.stop_reason == "end_turn"
+
+
+def test_billing_header_changes_keep_the_whole_prefix_cached(
+    small_context_server: ServerProcess,
+) -> None:
+    client = anthropic.Anthropic(base_url=small_context_server.base_url, api_key="k",
+                                 max_retries=0, timeout=120)
+    usages = []
+    for build in ("first", "second"):
+        request = _agent_request(build, "Say one word.")
+        message = client.beta.messages.create(**{**request, "max_tokens": 2})
+        usages.append(message.usage)
+    first, second = usages
+    prompt = first.input_tokens + (first.cache_read_input_tokens or 0)
+    assert second.input_tokens + (second.cache_read_input_tokens or 0) == prompt
+    assert (second.cache_read_input_tokens or 0) >= 0.9 * prompt
+
+
+def test_base_url_answers_get_and_head(demo_server: ServerProcess) -> None:
+    assert httpx.get(demo_server.base_url + "/", timeout=10).status_code == 200
+    assert httpx.head(demo_server.base_url + "/", timeout=10).status_code == 200

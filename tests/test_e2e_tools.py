@@ -12,6 +12,7 @@ import pytest
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.grammar import json_schema_grammar, tool_call_grammar
 from butter.errors import InvalidRequest
+from butter.sampling import SamplingParams
 from tests.conftest import ServerProcess
 
 WEATHER = {
@@ -161,15 +162,18 @@ def test_bad_tool_requests_are_400(client: openai.OpenAI) -> None:
                                        tool_choice="required")
 
 
-def test_grammars_are_accepted_by_llama_cpp(tiny_gguf: Path) -> None:
+def test_constraints_are_accepted_by_llama_cpp(tiny_gguf: Path) -> None:
     backend = LlamaCppBackend(tiny_gguf, n_cells=256, n_seq=1, n_batch=64, threads=1)
     try:
-        backend.check_grammar(tool_call_grammar([WEATHER, TIME]))
-        backend.check_grammar(tool_call_grammar([WEATHER, TIME], "get_time"))
-        backend.check_grammar(json_schema_grammar(
-            {"type": "object", "properties": {"age": {"type": "integer"}}}))
-        with pytest.raises(ValueError, match="rejected"):
-            backend.check_grammar('root ::= "unclosed')
+        for constraint in (
+            tool_call_grammar([WEATHER, TIME]),
+            tool_call_grammar([WEATHER, TIME], "get_time"),
+            json_schema_grammar({"type": "object", "properties": {"age": {"type": "integer"}}}),
+        ):
+            backend.check_sampling(SamplingParams(grammar=constraint))
+        with pytest.raises(ValueError, match="cannot turn this JSON schema into a grammar"):
+            backend.check_sampling(SamplingParams(
+                grammar=json_schema_grammar({"$ref": "#/definitions/missing"})))
     finally:
         backend.close()
     with pytest.raises(InvalidRequest):

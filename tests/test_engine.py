@@ -14,8 +14,8 @@ import trio.lowlevel
 
 from butter.backends.base import RemoveTokens
 from butter.engine.engine import Engine, Generation, _wait_for
+from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
-from butter.server.resident import ResidentModel
 from butter.settings import ServeSettings
 
 PROMPTS = [

@@ -149,7 +149,7 @@ def test_cache_types_really_shrink_the_kv_state(tiny_gguf: Path) -> None:
             tokens = tuple(backend.tokenize("hello there, a few tokens of KV", add_bos=False))
             backend.step([SetSampler(0, SamplingParams(temperature=0))],
                          [SeqWork(0, tokens, 0, sample=True, prompt=True)])
-            sizes[kv_cache] = ll.llama_state_seq_get_size(backend._ctx, 0)  # what is stored
+            sizes[kv_cache] = ll.llama_state_seq_get_size(backend.model.ctx, 0)  # what is stored
         finally:
             backend.close()
     assert sizes["raw"] > sizes["affine8"] > sizes["affine4"]

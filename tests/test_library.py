@@ -132,7 +132,8 @@ async def test_a_request_prepared_while_its_model_unloads_gets_model_replaced(
 
     loaded = await butter.Model.load(str(tiny_gguf), parallel=1, max_context=512)
     resident = loaded.resident
-    request = wire.parse_chat_request({"model": "tiny", "messages": MESSAGES})
+    request = wire.generation_request(
+        wire.parse_chat_request({"model": "tiny", "messages": MESSAGES}))
     assert (await prepare(resident, request)).prompt  # while loaded
     await loaded.aclose()  # what a swap does to the old model
     with pytest.raises(ModelReplaced):  # a 503 in the API's shape, not a 500

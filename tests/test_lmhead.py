@@ -7,6 +7,7 @@ the demo model, which must not change when butter computes the logits.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,14 +18,24 @@ import numpy as np
 import pytest
 
 import butter.backends.llama_cpp as llama_backend
+import butter.backends.llama_cpp.loading as llama_loading
 import butter.backends.lmhead as lmhead_module
 from butter.backends.base import BackendError, RemoveTokens, SeqWork, SetSampler
 from butter.backends.gguf_tensors import read_header
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.backends.lmhead import ISA_VARIABLE, LmHead, Unavailable
+from butter.backends.lmhead import (
+    DECLINED,
+    E_SHORT,
+    ISA_NONE,
+    ISA_VARIABLE,
+    OK,
+    LmHead,
+    NativeError,
+    Unavailable,
+)
 from butter.cli import build_parser, settings_from_args
+from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
-from butter.server.resident import ResidentModel
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 
 
@@ -38,7 +49,7 @@ def _head_or_skip(path: Path, *, max_rows: int = 16) -> LmHead:
 def _backend(path: Path, *, fast: bool, n_seq: int = 4) -> LlamaCppBackend:
     backend = LlamaCppBackend(path, n_cells=1024, n_seq=n_seq, n_batch=256, threads=2,
                               fast_lm_head=fast)
-    if fast and backend._lm_head is None:
+    if fast and backend.model.lm_head is None:
         backend.close()
         pytest.skip(f"butter's output projection does not apply here: {backend.lm_head}")
     return backend
@@ -140,6 +151,291 @@ def test_too_many_rows_are_refused(tiny_gguf: Path) -> None:
         head.project(np.zeros((5, head.n_embd), dtype=np.float32))
 
 
+# ------------------------------------------------------------------ the C boundary
+
+
+def _library() -> Any:
+    try:
+        return lmhead_module._library()
+    except Unavailable as exc:
+        pytest.skip(f"butter's native extension does not load here: {exc}")
+
+
+def test_a_library_of_another_abi_version_is_refused(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from butter.backends import _lmhead  # type: ignore[attr-defined]
+
+    found = int(ctypes.CDLL(_lmhead.__file__).butter_lmhead_abi_version())
+    assert found == lmhead_module.ABI_VERSION  # as built: the two agree
+    monkeypatch.setattr(lmhead_module, "ABI_VERSION", found + 1)  # as if lmhead.c were stale
+    message = f"butter's native extension has ABI version {found}, expected {found + 1}"
+    with pytest.raises(Unavailable, match=message):
+        LmHead(tiny_gguf, threads=2, max_rows=8)
+    backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2)
+    try:  # the backend serves with llama.cpp's projection, and says why
+        assert backend.model.lm_head is None
+        assert backend.lm_head.startswith(f"llama.cpp ({message}")
+    finally:
+        backend.close()
+
+
+SENTINEL = 0x5A  # what every output buffer holds before a call
+GUARD = 16  # bytes past the length a call is given, which it must never write
+
+
+class _TokenDataArray(ctypes.Structure):
+    """llama.h's llama_token_data_array."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t),
+                ("selected", ctypes.c_int64), ("sorted", ctypes.c_bool)]
+
+
+def _select_first_candidate(sampler: int, array: int) -> None:
+    """A sampler chain's apply that picks the first candidate."""
+    ctypes.cast(array, ctypes.POINTER(_TokenDataArray)).contents.selected = 0
+
+
+_select_first = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p)(_select_first_candidate)
+
+
+class _Kernel:
+    """lmhead.c's entry points called directly on a small model. Each output buffer is
+    exactly as long as the call needs plus a guard region, all of it SENTINEL; `short`
+    names the one buffer (input or output) whose length is passed a byte short."""
+
+    N_VOCAB, N_EMBD, MAX_ROWS = 20, 64, 3  # two tiles of 16 rows, the second partial
+    BLOCKS = 2 * 16 * (N_EMBD // 32)  # packed blocks, the partial tile padded
+    STRIDE = 2 * 16  # logits per row of `out`
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        rng = np.random.default_rng(11)
+        blocks = np.zeros((self.N_VOCAB, self.N_EMBD // 32, 34), dtype=np.uint8)
+        scales = np.full((self.N_VOCAB, self.N_EMBD // 32, 1), 0.01, np.float16)
+        blocks[..., :2] = scales.view(np.uint8)
+        quants = rng.integers(-127, 128, size=(*blocks.shape[:2], 32)).astype(np.int8)
+        blocks[..., 2:] = quants.view(np.uint8)
+        self.blocks = blocks
+        self.rows = blocks.reshape(self.N_VOCAB, -1)
+        self.hidden = rng.standard_normal((self.MAX_ROWS, self.N_EMBD)).astype(np.float32)
+        self.logits = rng.standard_normal((2, self.N_VOCAB)).astype(np.float32)
+        self.kept: list[np.ndarray] = []  # buffers a state points into
+
+    def _output(self, name: str, nbytes: int, short: str | None) -> tuple[np.ndarray, int]:
+        array = np.full(nbytes + GUARD, SENTINEL, dtype=np.uint8)
+        self.kept.append(array)
+        return array, nbytes - 1 if short == name else nbytes
+
+    @staticmethod
+    def _input(name: str, array: np.ndarray, short: str | None) -> tuple[int, int]:
+        return array.ctypes.data, array.nbytes - 1 if short == name else array.nbytes
+
+    def init(self, short: str | None = None, *, isa: int | None = None
+             ) -> tuple[int, list[np.ndarray]]:
+        isa = self.lib.butter_lmhead_supported() if isa is None else isa
+        state, length = self._output("state", self.lib.butter_lmhead_state_size(), short)
+        status = self.lib.butter_lmhead_init(state.ctypes.data, length, self.N_VOCAB,
+                                             self.N_EMBD, self.MAX_ROWS, 1, isa)
+        return status, [state]
+
+    def pack(self, short: str | None = None, *, state: int | None = None
+             ) -> tuple[int, list[np.ndarray]]:
+        state = self._state() if state is None else state
+        wq, wq_bytes = self._output("wq", self.BLOCKS * 32, short)
+        wd, wd_bytes = self._output("wd", self.BLOCKS * 2, short)
+        wsum, wsum_bytes = self._output("wsum", self.BLOCKS * 2, short)
+        status = self.lib.butter_lmhead_pack(
+            state, *self._input("rows", self.rows, short), wq.ctypes.data, wq_bytes,
+            wd.ctypes.data, wd_bytes, wsum.ctypes.data, wsum_bytes,
+        )
+        return status, [wq, wd, wsum]
+
+    def _scratch(self, state: int, short: str | None) -> tuple[int, list[np.ndarray]]:
+        out, out_bytes = self._output("out", self.MAX_ROWS * self.STRIDE * 4, short)
+        xq, xq_bytes = self._output("xq", self.MAX_ROWS * self.N_EMBD, short)
+        xd, xd_bytes = self._output("xd", self.MAX_ROWS * self.N_EMBD // 32 * 4, short)
+        status = self.lib.butter_lmhead_set_scratch(state, out.ctypes.data, out_bytes,
+                                                    xq.ctypes.data, xq_bytes,
+                                                    xd.ctypes.data, xd_bytes)
+        return status, [out, xq, xd]
+
+    def set_scratch(self, short: str | None = None) -> tuple[int, list[np.ndarray]]:
+        """set_scratch, then a projection: nothing may land in buffers it refused."""
+        state = self._state()
+        assert self.pack(state=state)[0] == OK
+        status, scratch = self._scratch(state, short)
+        self.lib.butter_lmhead_project(state, *self._input("x", self.hidden, None),
+                                       self.MAX_ROWS, 0)
+        return status, scratch
+
+    def ready(self, *, isa: int | None = None) -> tuple[int, list[np.ndarray]]:
+        """A state with its weights and scratch; the scratch buffers."""
+        state = self._state(isa=isa)
+        assert self.pack(state=state)[0] == OK
+        status, scratch = self._scratch(state, None)
+        assert status == OK
+        return state, scratch
+
+    def _state(self, *, isa: int | None = None) -> int:
+        status, (state,) = self.init(isa=isa)
+        assert status in (OK, DECLINED)
+        return int(state.ctypes.data)
+
+    def project(self, short: str | None = None) -> tuple[int, list[np.ndarray]]:
+        state, scratch = self.ready()
+        status = self.lib.butter_lmhead_project(state, *self._input("x", self.hidden, short),
+                                                self.MAX_ROWS, 0)
+        return status, scratch
+
+    def counters(self, short: str | None = None) -> tuple[int, list[np.ndarray]]:
+        state, _ = self.ready()
+        counters, length = self._output("counters", 4 * 8, short)
+        return self.lib.butter_lmhead_counters(state, counters.ctypes.data, length), [counters]
+
+    def fill_candidates(self, short: str | None = None) -> tuple[int, list[np.ndarray]]:
+        candidates, length = self._output("candidates", self.N_VOCAB * 12, short)
+        status = self.lib.butter_fill_candidates(
+            *self._input("logits", self.logits[0], short), self.N_VOCAB,
+            candidates.ctypes.data, length,
+        )
+        return status, [candidates]
+
+    def sample_rows(self, short: str | None = None) -> tuple[int, list[np.ndarray]]:
+        chains = np.array([1, 2], dtype=np.uint64)  # handles only `_select_first` sees
+        rows = np.array([row.ctypes.data for row in self.logits], dtype=np.uint64)
+        scratch, scratch_bytes = self._output("scratch", self.N_VOCAB * 12, short)  # 1 thread
+        chosen, chosen_bytes = self._output("chosen", 2 * 4, short)
+        status = self.lib.butter_sample_rows(
+            2, *self._input("chains", chains, short), *self._input("logits", rows, short),
+            self.N_VOCAB, ctypes.cast(_select_first, ctypes.c_void_p), scratch.ctypes.data,
+            scratch_bytes, 1, chosen.ctypes.data, chosen_bytes,
+        )
+        return status, [scratch, chosen]
+
+
+@pytest.fixture
+def kernel() -> _Kernel:
+    return _Kernel(_library())
+
+
+@pytest.mark.parametrize(("call", "buffer"), [
+    ("init", "state"),
+    ("pack", "rows"), ("pack", "wq"), ("pack", "wd"), ("pack", "wsum"),
+    ("set_scratch", "out"), ("set_scratch", "xq"), ("set_scratch", "xd"),
+    ("project", "x"),
+    ("counters", "counters"),
+    ("fill_candidates", "logits"), ("fill_candidates", "candidates"),
+    ("sample_rows", "chains"), ("sample_rows", "logits"), ("sample_rows", "scratch"),
+    ("sample_rows", "chosen"),
+])
+def test_a_buffer_a_byte_too_short_is_refused_and_nothing_is_written(
+    kernel: _Kernel, call: str, buffer: str,
+) -> None:
+    if not kernel.lib.butter_lmhead_supported():
+        pytest.skip("no kernel runs on this CPU: the calls that project decline")
+    status, outputs = getattr(kernel, call)()  # every length exact: the call writes
+    assert status == OK
+    for output in outputs:
+        assert (output[:-GUARD] != SENTINEL).any()
+        assert (output[-GUARD:] == SENTINEL).all()  # and not a byte past its length
+    status, outputs = getattr(kernel, call)(short=buffer)
+    assert status == E_SHORT
+    for output in outputs:
+        assert (output == SENTINEL).all()
+
+
+# ggml's tensor accessors, as lmhead.c calls them
+_GET_NAME = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_GET_DATA = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+_NELEMENTS = ctypes.CFUNCTYPE(ctypes.c_int64, ctypes.c_void_p)
+_NBYTES = ctypes.CFUNCTYPE(ctypes.c_size_t, ctypes.c_void_p)
+_IS_CONTIGUOUS = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p)
+_EVAL = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+
+
+class _FinalNorm:
+    """A stand-in for llama.cpp's "result_norm" node holding `hidden`, with ggml's
+    accessors for it written in Python, so the eval hook runs without a graph."""
+
+    def __init__(self, hidden: np.ndarray) -> None:
+        self.name = ctypes.create_string_buffer(b"result_norm")
+        self.accessors = [
+            _GET_NAME(lambda tensor: ctypes.addressof(self.name)),
+            _GET_DATA(lambda tensor: hidden.ctypes.data),
+            _NELEMENTS(lambda tensor: hidden.size),
+            _NBYTES(lambda tensor: hidden.nbytes),
+            _IS_CONTIGUOUS(lambda tensor: True),
+        ]
+
+    def evaluate(self, lib: Any, state: int) -> tuple[bool, bool, list[int]]:
+        """The hook asked for the node, shown it, and its counters after."""
+        assert lib.butter_lmhead_set_ggml(state, *(ctypes.cast(accessor, ctypes.c_void_p)
+                                                   for accessor in self.accessors)) == OK
+        assert lib.butter_lmhead_arm(state, 1) == OK
+        hook = _EVAL(("butter_lmhead_eval", lib))
+        asked, shown = hook(None, True, state), hook(None, False, state)
+        counters = (ctypes.c_int64 * 4)()
+        assert lib.butter_lmhead_counters(state, counters, ctypes.sizeof(counters)) == OK
+        return asked, shown, list(counters)
+
+
+def test_the_hook_projects_the_final_norm_where_a_kernel_runs(kernel: _Kernel) -> None:
+    """The control for the next test: the same harness, with a kernel that runs here."""
+    if not kernel.lib.butter_lmhead_supported():
+        pytest.skip("no kernel runs on this CPU")
+    state, (out, _, _) = kernel.ready()
+    asked, shown, counters = _FinalNorm(kernel.hidden).evaluate(kernel.lib, state)
+    assert asked and not shown  # the logits are here: the graph stops
+    assert counters == [1, kernel.MAX_ROWS, 1, 0]  # armed, rows_done, calls, declined
+    logits = out[: -GUARD].view(np.float32).reshape(kernel.MAX_ROWS, kernel.STRIDE)
+    reference = _reference(kernel.blocks, kernel.hidden)
+    np.testing.assert_allclose(logits[:, : kernel.N_VOCAB], reference, rtol=0,
+                               atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("past_the_best", [False, True], ids=["none", "past-the-best"])
+def test_the_hook_declines_where_no_kernel_runs(kernel: _Kernel, past_the_best: bool) -> None:
+    """ISA none, or one past what this CPU runs (a kernel it lacks, or none that exists):
+    the library sets the state up but declines, and computes nothing."""
+    isa = kernel.lib.butter_lmhead_supported() + 1 if past_the_best else ISA_NONE
+    assert kernel.init(isa=isa)[0] == DECLINED
+    state, scratch = kernel.ready(isa=isa)
+    asked, shown, counters = _FinalNorm(kernel.hidden).evaluate(kernel.lib, state)
+    assert asked and shown  # it looked, then let the graph run on: llama.cpp projects
+    assert counters == [1, 0, 1, 1]  # armed, no rows done, one call, declined
+    status = kernel.lib.butter_lmhead_project(state, kernel.hidden.ctypes.data,
+                                              kernel.hidden.nbytes, kernel.MAX_ROWS, 0)
+    assert status == DECLINED
+    for buffer in scratch:
+        assert (buffer == SENTINEL).all()
+
+
+def test_no_kernel_leaves_the_logits_to_llama_cpp(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _library()  # (skips where the extension is not built)
+    monkeypatch.setenv(ISA_VARIABLE, "none")
+    message = f"{ISA_VARIABLE}=none: the kernel declined, as asked"
+    with pytest.raises(Unavailable, match=message):
+        LmHead(tiny_gguf, threads=2, max_rows=8)
+    backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2)
+    try:
+        assert backend.model.lm_head is None and backend.lm_head == f"llama.cpp ({message})"
+    finally:
+        backend.close()
+
+
+def test_python_raises_on_a_short_buffer_and_nothing_is_written(tiny_gguf: Path) -> None:
+    head = _head_or_skip(tiny_gguf)
+    record = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+    memory = np.full((head.n_vocab + 4) * record.itemsize, SENTINEL, dtype=np.uint8)
+    candidates = memory[: (head.n_vocab - 1) * record.itemsize].view(record)  # a row short
+    with pytest.raises(NativeError, match="butter_fill_candidates failed: a buffer is too short"):
+        head.fill_candidates(head.row(0), candidates)
+    assert (memory == SENTINEL).all()
+
+
 # ------------------------------------------------------------------ inside llama.cpp
 
 
@@ -160,7 +456,8 @@ def _generate_greedy(backend: LlamaCppBackend, prompts: list[str], steps: int
     ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
     sampled = backend.step(ops, [SeqWork(seq, tuple(tokens[seq]), 0, sample=True, prompt=True)
                                  for seq in seqs])
-    first_rows = [row for row in range(backend._batch.n_tokens) if backend._batch.logits[row]]
+    batch = backend.model.batch
+    first_rows = [row for row in range(batch.n_tokens) if batch.logits[row]]
     first = np.stack([backend.step_logits(row) for row in first_rows])
     out = {s.seq: [s.token] for s in sampled}
     for _ in range(steps):
@@ -180,7 +477,7 @@ def test_demo_model_logits_and_greedy_tokens_match_llama_cpp(
                "1, 2, 3, 4,"]
     our_tokens, our_logits = _generate_greedy(ours, prompts, steps=24)
     their_tokens, their_logits = _generate_greedy(theirs, prompts, steps=24)
-    assert ours._ours and not theirs._ours  # whose logits each one sampled
+    assert ours.stepper.ours and not theirs.stepper.ours  # whose logits each one sampled
     scale = np.abs(their_logits).max()
     np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
     assert our_tokens == their_tokens
@@ -196,7 +493,7 @@ def test_the_avx2_kernel_serves_a_backend(tiny_gguf: Path,
     try:
         assert ours.lm_head == "butter (AVX2)"
         tokens, our_logits = _generate_greedy(ours, ["Session 2 talks about boats"], steps=8)
-        assert tokens == reference and ours._ours
+        assert tokens == reference and ours.stepper.ours
         scale = np.abs(their_logits).max()
         np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
     finally:
@@ -207,16 +504,16 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _head_or_skip(tiny_gguf)  # (only meaningful where the projection applies)
-    monkeypatch.setattr(llama_backend, "LM_HEAD_TOLERANCE", -1.0)  # nothing can pass
+    monkeypatch.setattr(llama_loading, "LM_HEAD_TOLERANCE", -1.0)  # nothing can pass
     backend = _backend(tiny_gguf, fast=False)
     reference, _ = _generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
     backend.close()
     backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=4, n_batch=256, threads=2)
     try:
-        assert backend._lm_head is None
+        assert backend.model.lm_head is None
         assert backend.lm_head.startswith("llama.cpp (self-check failed: its logits differ")
         tokens, _ = _generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
-        assert tokens == reference and not backend._ours
+        assert tokens == reference and not backend.stepper.ours
     finally:
         backend.close()
 
@@ -227,7 +524,7 @@ def test_a_float_output_matrix_is_left_to_llama_cpp(tmp_path: Path) -> None:
         lmhead_module._q8_0_output(path)
     backend = LlamaCppBackend(path, n_cells=1024, n_seq=2, n_batch=256, threads=2)
     try:
-        assert backend._lm_head is None and backend.lm_head.startswith("llama.cpp (")
+        assert backend.model.lm_head is None and backend.lm_head.startswith("llama.cpp (")
     finally:
         backend.close()
 
@@ -257,16 +554,16 @@ def test_a_step_with_more_output_rows_than_the_hook_holds_uses_llama_cpp(
 ) -> None:
     backend = _backend(tiny_gguf, fast=True, n_seq=1)  # the hook holds 8 rows
     try:
-        assert backend._lm_head is not None and backend._lm_head.rows == 8
+        assert backend.model.lm_head is not None and backend.model.lm_head.rows == 8
         prompt = tuple(backend.tokenize("Session 1 talks about boats", add_bos=False))
         backend.step([SetSampler(0, SamplingParams(temperature=0))], [])
         work = SeqWork(0, prompt, 0, sample=True, prompt=True)
-        sampled = backend._decode([work], outputs=12)  # 12 rows with logits
-        assert backend._batch.n_tokens >= 12 and not backend._ours
+        sampled = backend.stepper.decode([work], outputs=12)  # 12 rows with logits
+        assert backend.model.batch.n_tokens >= 12 and not backend.stepper.ours
         assert sampled[0].token == int(np.argmax(backend.step_logits(len(prompt) - 1)))
         # The next step fits again, and butter's projection takes it.
         backend.step([], [SeqWork(0, (sampled[0].token,), len(prompt), sample=True)])
-        assert backend._ours
+        assert backend.stepper.ours
     finally:
         backend.close()
 
@@ -340,13 +637,13 @@ def test_the_flag_reaches_the_loaded_backend(tiny_gguf: Path, flags: list[str]) 
     resident = ResidentModel.load_sync(settings_from_args(args))
     try:
         assert isinstance(resident.backend, LlamaCppBackend)
-        shown = resident.lm_head()  # what /v1/server shows
+        shown = resident.metadata()["lm_head"]  # what /v1/server shows
         assert shown is not None and shown["by"] == resident.backend.lm_head
         if flags:
-            assert resident.backend._lm_head is None
+            assert resident.backend.model.lm_head is None
             assert shown["by"] == "llama.cpp (--no-fast-lm-head)"
         else:  # on by default wherever the kernel applies to this model
-            assert resident.backend._lm_head is not None
-            assert shown["by"] == f"butter ({resident.backend._lm_head.isa})"
+            assert resident.backend.model.lm_head is not None
+            assert shown["by"] == f"butter ({resident.backend.model.lm_head.isa})"
     finally:
         resident.close()

@@ -58,7 +58,7 @@ def test_mlx_penalties_equal_llama_cpps() -> None:
     import llama_cpp as ll
     import numpy as np
 
-    from butter.backends.llama_cpp import LlamaCppBackend
+    from butter.backends.llama_cpp.sampling import TOKEN_DATA, token_data_array
     from butter.backends.mlx import penalize
     from butter.sampling import SamplingParams
 
@@ -73,10 +73,9 @@ def test_mlx_penalties_equal_llama_cpps() -> None:
                                               params.presence_penalty)
     for token in recent:
         ll.llama_sampler_accept(sampler, token)
-    candidates = np.zeros(n_vocab, dtype=[("id", np.int32), ("logit", np.float32),
-                                          ("p", np.float32)])
+    candidates = np.zeros(n_vocab, dtype=TOKEN_DATA)
     candidates["id"], candidates["logit"] = np.arange(n_vocab), logits
-    ll.llama_sampler_apply(sampler, ctypes.byref(LlamaCppBackend._as_array(candidates)))
+    ll.llama_sampler_apply(sampler, ctypes.byref(token_data_array(candidates)))
     ll.llama_sampler_free(sampler)
     ours = np.array(penalize(mx, mx.array(logits), recent, params))
     assert not np.allclose(candidates["logit"], logits)  # the penalties did something

@@ -250,7 +250,7 @@ async def test_a_grammar_failure_ends_only_its_own_request(
         tiny_mlx: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model, backend = await _load(tiny_mlx)
     # Let the constrained request sample freely, so its grammar rejects a token.
-    monkeypatch.setattr(backend, "_allowed", lambda matcher, logits: logits)
+    monkeypatch.setattr(backend.grammars, "allowed", lambda matcher, logits: logits)
     tool = {"type": "function", "function": {"name": "noop", "parameters": {"type": "object"}}}
     try:
         engine = model.resident.engine

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from butter.chat.request import Usage
 from butter.errors import InvalidRequest, Overloaded
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event, named_event
@@ -94,7 +95,7 @@ def test_template_messages_join_text_parts_and_parse_tool_arguments() -> None:
 
 
 def test_usage_reports_cached_tokens_in_both_places() -> None:
-    body = openai.Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=9).body()
+    body = openai.usage_body(Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=9))
     assert body["total_tokens"] == 15
     assert body["cached_tokens"] == body["prompt_tokens_details"]["cached_tokens"] == 9
 
@@ -105,7 +106,7 @@ def test_chunk_and_usage_chunk_shapes() -> None:
     assert chunk["object"] == "chat.completion.chunk"
     assert chunk["choices"][0]["delta"] == {"content": "x"}
     usage = openai.usage_chunk_body(completion_id="c", model="m", created=1,
-                                    usage=openai.Usage(1, 2, 0))
+                                    usage=Usage(1, 2, 0))
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
 
 

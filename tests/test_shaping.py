@@ -17,8 +17,8 @@ from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.shaping import Shape, StepShaper, candidates, padded_outputs
 from butter.cli import build_parser, settings_from_args
+from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
-from butter.server.resident import ResidentModel
 from tests.conftest import ServerProcess
 
 # ------------------------------------------------------------------ the chooser (pure)
@@ -114,12 +114,12 @@ def _logits(backend: LlamaCppBackend, rows: int) -> np.ndarray:
 
 def test_split_rows_equal_plain_rows(backend: LlamaCppBackend) -> None:
     works = _prefill(backend, range(2))
-    backend._decode(works, outputs=0)
+    backend.stepper.decode(works, outputs=0)
     plain = _logits(backend, 2)
     backend.step([RemoveTokens(w.seq, w.start) for w in works], [])  # rewind one position
-    first = backend._decode(works[:1], outputs=0)
+    first = backend.stepper.decode(works[:1], outputs=0)
     alone = [_logits(backend, 1)[0]]
-    backend._decode(works[1:], outputs=0)
+    backend.stepper.decode(works[1:], outputs=0)
     alone.append(_logits(backend, 1)[0])
     assert np.array_equal(plain, np.stack(alone))  # SPLIT is exact: same kernels per row
     assert first[0].seq == works[0].seq
@@ -127,17 +127,18 @@ def test_split_rows_equal_plain_rows(backend: LlamaCppBackend) -> None:
 
 def test_padding_rows_change_no_real_row_and_leave_no_trace(backend: LlamaCppBackend) -> None:
     works = _prefill(backend, range(8))
-    backend._decode(works, outputs=0)  # a real batch of 8 decode rows
+    backend.stepper.decode(works, outputs=0)  # a real batch of 8 decode rows
     eight = _logits(backend, 8)
     backend.step([RemoveTokens(w.seq, w.start) for w in works], [])
-    sampled = backend._decode(works[:6], outputs=padded_outputs(6))  # 6 rows + 2 scratch
+    sampled = backend.stepper.decode(works[:6], outputs=padded_outputs(6))  # + 2 scratch
     padded = _logits(backend, 6)
     # Eight rows with logits went through llama.cpp, two of them scratch...
-    assert backend._batch.n_tokens == 8 and all(backend._batch.logits[row] for row in range(8))
+    batch = backend.model.batch
+    assert batch.n_tokens == 8 and all(batch.logits[row] for row in range(8))
     # ...and the six real rows are bit-identical to theirs in a real batch of 8.
     assert np.array_equal(padded, eight[:6])
     assert [s.seq for s in sampled] == list(range(6))
-    assert ll.llama_memory_seq_pos_max(backend._mem, backend._pad_seq) == -1  # no trace
+    assert ll.llama_memory_seq_pos_max(backend.model.mem, backend.model.pad_seq) == -1  # no trace
 
 
 # ------------------------------------------------------------------ served
@@ -151,7 +152,8 @@ def test_the_flag_reaches_the_loaded_backend(tiny_gguf: Path, flags: list[str],
     try:
         assert isinstance(resident.backend, LlamaCppBackend)
         assert resident.backend.shaper.enabled is enabled
-        assert (resident.step_shapes() is None) is not enabled  # what /v1/server shows
+        shown = resident.metadata()["step_shapes"]  # what /v1/server shows
+        assert (shown is None) is not enabled
     finally:
         resident.close()
 

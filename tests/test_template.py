@@ -118,3 +118,38 @@ def test_choice_order(tmp_path: Path) -> None:
     assert choose_template(str(custom), None, "gemma3").origin == f"file:{custom}"
     with pytest.raises(ValueError, match="neither a file"):
         choose_template("nope", None, "gemma3")
+
+
+# A template in the style of many HF ones: one system message, and only first.
+ONE_SYSTEM_FIRST = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning') }}{% endif %}"
+    "[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+)
+WITH_REMINDER = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hello"},
+    {"role": "system", "content": "<reminder>"},
+    {"role": "user", "content": "Bye"},
+]
+
+
+def test_inner_system_messages_render_in_place_where_the_template_can() -> None:
+    text = _template("chatml").render(WITH_REMINDER)
+    assert text.index("Hello") < text.index("<|im_start|>system\n<reminder>") < text.index("Bye")
+
+
+def test_inner_system_messages_fold_into_the_next_user_turn_where_it_cannot() -> None:
+    template = ChatTemplate(TemplateChoice(ONE_SYSTEM_FIRST, "file:x"), bos_token="",
+                            eos_token="")
+    assert template.render(WITH_REMINDER, add_generation_prompt=False) == (
+        "[system]Be brief.[user]Hello[user]<reminder>\n\nBye")
+    # No user turn after it: appended to the previous one.
+    trailing = [*WITH_REMINDER[:2], {"role": "system", "content": "<late>"}]
+    assert template.render(trailing, add_generation_prompt=False) == (
+        "[system]Be brief.[user]Hello\n\n<late>")
+    # A refusal for another reason is still a clear 400.
+    with pytest.raises(InvalidRequest, match="beginning"):
+        template.render([{"role": "user", "content": "x"}, {"role": "system", "content": "y"},
+                         {"role": "system", "content": "z"}][1:])

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -62,6 +63,32 @@ class SetSampler:
 KvOp = RemoveTokens | CopyPrefix | ShiftPositions | SetSampler
 
 
+class KvEditor(Protocol):
+    """What a backend does for each kind of KvOp (before the step's evaluation)."""
+
+    def remove_tokens(self, op: RemoveTokens) -> None: ...
+
+    def copy_prefix(self, op: CopyPrefix) -> None: ...
+
+    def shift_positions(self, op: ShiftPositions) -> None: ...
+
+    def set_sampler(self, op: SetSampler) -> None: ...
+
+
+def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> None:
+    """Apply the ops in order, each through the editor's method for its kind."""
+    for op in ops:
+        match op:
+            case RemoveTokens():
+                editor.remove_tokens(op)
+            case CopyPrefix():
+                editor.copy_prefix(op)
+            case ShiftPositions():
+                editor.shift_positions(op)
+            case SetSampler():
+                editor.set_sampler(op)
+
+
 @attrs.frozen
 class SeqWork:
     """Tokens of one sequence to evaluate in a step, from position `start`."""
@@ -102,7 +129,10 @@ class Backend(Protocol):
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
 
-    def check_sampling(self, params: SamplingParams) -> None: ...
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Refuse (ValueError, a message for the client) what this backend cannot honour,
+        such as an output constraint its grammar engine cannot follow; compiles it once."""
+        ...
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]: ...
 
@@ -110,8 +140,17 @@ class Backend(Protocol):
         """`step`, started on the backend's own thread (every evaluation runs there).
 
         The engine waits for this future directly: one thread hand-off each way instead
-        of two through a trio worker thread (measured 0.62 -> 0.38 ms a step)."""
+        of two through a trio worker thread (docs/architecture.md, "One llama.cpp
+        thread")."""
         ...
 
-    def close(self) -> None: ...
+    def diagnostics(self) -> dict[str, Any]:
+        """What /v1/server shows about this backend in the model's metadata (JSON values):
+        `step_shapes` and `lm_head` (llama.cpp's, else None), plus the backend's own."""
+        ...
+
+    def close(self) -> None:
+        """Free the model after the step in flight; idempotent. Later calls to tokenize,
+        check_sampling or submit_step raise BackendError("the model was unloaded")."""
+        ...
 

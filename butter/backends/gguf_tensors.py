@@ -1,8 +1,8 @@
 """Where a tensor's bytes are in a GGUF file, read straight from its header (pure).
 
 The `gguf` package reads the same header, but it materializes every metadata value on
-the way: 7.7 s for the demo model's 262k-token vocabulary, against ~0.1 s here, where
-values are skipped unless asked for. Format: github.com/ggml-org/ggml docs/gguf.md.
+the way, which takes seconds for a large vocabulary (docs/architecture.md has the figures);
+here values are skipped unless asked for. Format: github.com/ggml-org/ggml docs/gguf.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,12 @@ kernel with the same results), the extension built, a CPU-only llama.cpp, a Q8_0
 matrix, no logit soft-capping; and at load, one probe prompt's logits must agree with
 llama.cpp's own. Anywhere else llama.cpp computes the logits as before, and the
 backend's `lm_head` says why.
+
+The boundary with C is checked, since ctypes checks nothing: the library must report the
+ABI version this module was written for; the kernel's state is opaque here (allocated at
+the size the library reports, read and written only through its functions); every buffer
+goes with its size in bytes, and the library refuses one too short instead of writing past
+it; and where no kernel runs on the CPU the library declines rather than computes.
 """
 
 from __future__ import annotations
@@ -36,26 +42,44 @@ Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8
 OUTPUT_TENSORS = ("output.weight", "token_embd.weight")  # untied first, else tied
 
 _P = ctypes.c_void_p
+_I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+
+# The signatures below, the status codes and the ISA numbers are what this module and
+# lmhead.c agree on; BUTTER_LMHEAD_ABI_VERSION there names them. Change both together.
+ABI_VERSION = 2
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "butter_lmhead_supported": (_I32, []),
+    "butter_lmhead_state_size": (_SIZE, []),
+    "butter_lmhead_init": (_I32, [_P, _SIZE, _I64, _I64, _I64, _I32, _I32]),
+    "butter_lmhead_set_ggml": (_I32, [_P, _P, _P, _P, _P, _P]),
+    "butter_lmhead_pack": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _SIZE, _P, _SIZE]),
+    "butter_lmhead_set_scratch": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _SIZE]),
+    "butter_lmhead_arm": (_I32, [_P, _I32]),
+    "butter_lmhead_counters": (_I32, [_P, _P, _SIZE]),
+    "butter_lmhead_project": (_I32, [_P, _P, _SIZE, _I64, _I64]),
+    "butter_fill_candidates": (_I32, [_P, _SIZE, _I32, _P, _SIZE]),
+    "butter_sample_rows": (
+        _I32, [_I32, _P, _SIZE, _P, _SIZE, _I32, _P, _P, _SIZE, _I32, _P, _SIZE],
+    ),
+}
+
+# Status codes (BUTTER_* in lmhead.c).
+OK = 0
+DECLINED = 1  # no kernel for this CPU: llama.cpp's projection applies
+E_SHORT, E_ARGUMENT, E_STATE = -1, -2, -3
+ERRORS = {
+    E_SHORT: "a buffer is too short (nothing was written)",
+    E_ARGUMENT: "a count, dimension or pointer is out of range",
+    E_STATE: "the kernel's state is not set up for this call",
+}
+COUNTERS = 4  # butter_lmhead_counters: armed, rows_done, calls, declined
 
 # The kernels in lmhead.c, by the number butter_lmhead_supported() returns (best last).
+ISA_NONE = 0
 ISA_NAMES = {1: "AVX2", 2: "AVX512-VNNI"}
-# Forces a slower kernel than the CPU's best (for tests and benchmarks/lm_head.py).
+# Forces a slower kernel than the CPU's best (for tests and benchmarks/lm_head.py), or
+# "none": no kernel, so the library declines and llama.cpp projects.
 ISA_VARIABLE = "BUTTER_LM_HEAD_ISA"
-
-
-class _State(ctypes.Structure):
-    """Mirrors `butter_lmhead` in lmhead.c, field for field."""
-
-    _fields_ = [
-        ("get_name", _P), ("get_data", _P), ("nelements", _P), ("nbytes", _P),
-        ("is_contiguous", _P),
-        ("wq", _P), ("wd", _P), ("wsum", _P),
-        ("n_tiles", ctypes.c_int64), ("n_embd", ctypes.c_int64), ("n_vocab", ctypes.c_int64),
-        ("n_threads", ctypes.c_int32),
-        ("armed", ctypes.c_int32), ("max_rows", ctypes.c_int64), ("rows_done", ctypes.c_int64),
-        ("out", _P), ("xq", _P), ("xd", _P),
-        ("isa", ctypes.c_int32), ("calls", ctypes.c_int32), ("declined", ctypes.c_int32),
-    ]
 
 
 class Verdict(Enum):
@@ -68,34 +92,70 @@ class Unavailable(Exception):
     """Why butter's projection does not apply here (llama.cpp's is used)."""
 
 
-def _native() -> tuple[Any, int]:
-    """The kernel library and the instruction set to run it with."""
+class NativeError(RuntimeError):
+    """A call into lmhead.c returned an error code: a bug on this side of the boundary."""
+
+
+def check(function: str, status: int) -> None:
+    """Raise for a status other than OK: Unavailable where the kernel declined."""
+    if status == OK:
+        return
+    if status == DECLINED:
+        raise Unavailable(f"{function} declined: no kernel for this CPU")
+    raise NativeError(f"{function} failed: {ERRORS.get(status, f'status {status}')}")
+
+
+def _library() -> Any:
+    """The kernel library, refused unless it speaks this module's ABI."""
     try:
-        from butter import _lmhead  # type: ignore[attr-defined]
+        from butter.backends import _lmhead  # type: ignore[attr-defined]
     except ImportError:
         raise Unavailable("butter's native extension is not built") from None
     lib = ctypes.CDLL(_lmhead.__file__)
-    best = int(lib.butter_lmhead_supported())
-    if not best:
-        raise Unavailable("this CPU has neither AVX512-VNNI nor AVX2")
+    try:
+        version = lib.butter_lmhead_abi_version
+    except AttributeError:  # built from an lmhead.c older than the versioned ABI
+        raise Unavailable(
+            f"butter's native extension reports no ABI version (expected {ABI_VERSION}): "
+            "rebuild it"
+        ) from None
+    version.argtypes, version.restype = [], _I32
+    found = int(version())
+    if found != ABI_VERSION:
+        raise Unavailable(
+            f"butter's native extension has ABI version {found}, expected {ABI_VERSION}: "
+            "rebuild it"
+        )
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        try:
+            function = getattr(lib, name)
+        except AttributeError:
+            raise Unavailable(f"butter's native extension lacks {name}: rebuild it") from None
+        function.argtypes, function.restype = argtypes, restype
+    # (butter_lmhead_eval is not called from here: llama.cpp calls it, with ggml's
+    # signature for an eval callback.)
+    return lib
+
+
+def _requested_isa(lib: Any) -> tuple[int, str]:
+    """The kernel to ask the library for, and why (for the message if it declines)."""
     wanted = os.environ.get(ISA_VARIABLE)
-    if wanted:
-        isa = {name.lower(): number for number, name in ISA_NAMES.items()}.get(wanted.lower())
-        if isa is None or isa > best:
-            raise Unavailable(f"{ISA_VARIABLE}={wanted} is not available on this CPU")
-    else:
-        isa = best
-    lib.butter_lmhead_pack.argtypes = [_P, ctypes.c_int64, ctypes.c_int64, _P, _P, _P]
-    lib.butter_lmhead_pack.restype = None
-    lib.butter_lmhead_project.argtypes = [_P, _P, ctypes.c_int64, ctypes.c_int64]
-    lib.butter_lmhead_project.restype = None
-    lib.butter_fill_candidates.argtypes = [_P, ctypes.c_int32, _P]
-    lib.butter_fill_candidates.restype = None
-    lib.butter_sample_rows.argtypes = [
-        ctypes.c_int32, _P, _P, ctypes.c_int32, _P, _P, ctypes.c_int32, _P,
-    ]
-    lib.butter_sample_rows.restype = None
-    return lib, isa
+    if not wanted:
+        return int(lib.butter_lmhead_supported()), "this CPU has neither AVX512-VNNI nor AVX2"
+    names = {"none": ISA_NONE} | {name.lower(): number for number, name in ISA_NAMES.items()}
+    isa = names.get(wanted.lower())
+    if isa is None:
+        raise Unavailable(f"{ISA_VARIABLE}={wanted} is not available (butter's kernels: "
+                          f"{', '.join(ISA_NAMES.values())}, or none)")
+    if isa == ISA_NONE:
+        return isa, f"{ISA_VARIABLE}={wanted}: the kernel declined, as asked"
+    return isa, f"{ISA_VARIABLE}={wanted} is not available on this CPU"
+
+
+def _new_state(lib: Any) -> ctypes.Array[ctypes.c_uint64]:
+    """Zeroed, 8-byte aligned memory for the kernel's state, at the size it reports."""
+    words = -(-int(lib.butter_lmhead_state_size()) // 8)
+    return (ctypes.c_uint64 * words)()
 
 
 def _ggml_base() -> Any:
@@ -136,41 +196,61 @@ class LmHead:
 
     def __init__(self, path: Path, *, threads: int, max_rows: int) -> None:
         """Raises Unavailable when it does not apply to this model or machine."""
-        self._lib, isa = _native()
-        self.isa = ISA_NAMES[isa]
+        self._lib = _library()
+        isa, why_not = _requested_isa(self._lib)
         ggml = _ggml_base()
         rows, n_vocab, n_embd = _q8_0_output(path)
         self.n_vocab, self.n_embd = n_vocab, n_embd
-        n_tiles = -(-n_vocab // LANES)
-        self.stride = n_tiles * LANES  # logits per row in `out`, padded to whole tiles
-        blocks = n_tiles * LANES * (n_embd // QK)
+        self._threads = max(1, threads)
+        self.state = _new_state(self._lib)
+        status = self._lib.butter_lmhead_init(
+            self.state, ctypes.sizeof(self.state), n_vocab, n_embd, max_rows, self._threads, isa
+        )
+        if status == DECLINED:
+            raise Unavailable(why_not)
+        self._setup("butter_lmhead_init", status)
+        self.isa = ISA_NAMES[isa]
+        self._pack(rows)
+        del rows  # the GGUF mapping: llama.cpp holds its own
+        self.stride = -(-n_vocab // LANES) * LANES  # logits per row in `out`, whole tiles
+        self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
+        self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)
+        self._xd = np.zeros((max_rows, n_embd // QK), dtype=np.float32)
+        self._setup("butter_lmhead_set_scratch", self._lib.butter_lmhead_set_scratch(
+            self.state, *_buffer(self.out), *_buffer(self._xq), *_buffer(self._xd),
+        ))
+        self._set_ggml(ggml)
+        self._sampling_scratch = np.zeros(self._threads * n_vocab * 3, dtype=np.int32)  # 12 B each
+        self._counters = (ctypes.c_int64 * COUNTERS)()
+
+    @staticmethod
+    def _setup(function: str, status: int) -> None:
+        """A setup call's status: any failure means the kernel cannot serve this model."""
+        try:
+            check(function, status)
+        except NativeError as exc:
+            raise Unavailable(str(exc)) from None
+
+    def _pack(self, rows: npt.NDArray[np.uint8]) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        blocks = -(-self.n_vocab // LANES) * LANES * (self.n_embd // QK)
         self._wq = np.empty(blocks * QK, dtype=np.int8)
         self._wd = np.empty(blocks, dtype=np.uint16)
         self._wsum = np.empty(blocks, dtype=np.int16)
-        self._lib.butter_lmhead_pack(
-            rows.ctypes.data, n_vocab, n_embd,
-            self._wq.ctypes.data, self._wd.ctypes.data, self._wsum.ctypes.data,
-        )
-        del rows  # the GGUF mapping: llama.cpp holds its own
-        self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
-        self._threads = max(1, threads)
-        self._sampling_scratch = np.zeros(self._threads * n_vocab * 3, dtype=np.int32)  # 12 B each
-        self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)
-        self._xd = np.zeros((max_rows, n_embd // QK), dtype=np.float32)
+        self._setup("butter_lmhead_pack", self._lib.butter_lmhead_pack(
+            self.state, *_buffer(rows), *_buffer(self._wq), *_buffer(self._wd),
+            *_buffer(self._wsum),
+        ))
 
+    def _set_ggml(self, ggml: Any) -> None:
         def address(function: Any) -> int | None:
             return ctypes.cast(function, _P).value
 
-        self.state = _State(
-            address(ggml.ggml_get_name), address(ggml.ggml_get_data),
+        self._setup("butter_lmhead_set_ggml", self._lib.butter_lmhead_set_ggml(
+            self.state, address(ggml.ggml_get_name), address(ggml.ggml_get_data),
             address(ggml.ggml_nelements), address(ggml.ggml_nbytes),
             address(ggml.ggml_is_contiguous),
-            self._wq.ctypes.data, self._wd.ctypes.data, self._wsum.ctypes.data,
-            n_tiles, n_embd, n_vocab, self._threads,
-            0, max_rows, 0,
-            self.out.ctypes.data, self._xq.ctypes.data, self._xd.ctypes.data,
-            isa, 0, 0,
-        )
+        ))
         self._ggml = ggml  # keeps the accessors' library loaded
 
     @property
@@ -188,15 +268,18 @@ class LmHead:
         return ctypes.addressof(self.state)
 
     def arm(self, armed: bool) -> None:
-        self.state.armed = int(armed)
-        self.state.rows_done = self.state.calls = self.state.declined = 0
+        check("butter_lmhead_arm", self._lib.butter_lmhead_arm(self.state, int(armed)))
 
     def verdict(self, rows: int) -> Verdict:
         """Whose logits the last decode (with `rows` output rows) left usable."""
-        state = self.state
-        if not state.armed or state.rows_done == 0:
+        counters = self._counters
+        check("butter_lmhead_counters", self._lib.butter_lmhead_counters(
+            self.state, counters, ctypes.sizeof(counters)
+        ))
+        armed, rows_done, calls, declined = counters
+        if not armed or rows_done == 0:
             return Verdict.LLAMA  # the graph ran to its end every time
-        if state.calls == 1 and state.declined == 0 and state.rows_done == rows:
+        if calls == 1 and declined == 0 and rows_done == rows:
             return Verdict.OURS
         # Split into micro-batches (whose order may not be the batch's), or some of them
         # stopped and others not: neither buffer holds every row, in order.
@@ -213,29 +296,44 @@ class LmHead:
             raise ValueError(f"expected rows of {self.n_embd} floats, got {hidden.shape}")
         if len(hidden) > len(self.out):
             raise ValueError(f"at most {len(self.out)} rows at a time")
-        self._lib.butter_lmhead_project(
-            ctypes.byref(self.state), hidden.ctypes.data, len(hidden), 0
-        )
+        check("butter_lmhead_project", self._lib.butter_lmhead_project(
+            self.state, *_buffer(hidden), len(hidden), 0
+        ))
         return self.out[: len(hidden), : self.n_vocab].copy()
 
     def fill_candidates(self, logits: npt.NDArray[np.float32], candidates: Any) -> None:
         """llama.cpp sampler input {id, logit, p=0} for every token, written in C."""
-        self._lib.butter_fill_candidates(logits.ctypes.data, self.n_vocab, candidates.ctypes.data)
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+            raise ValueError("logits must be contiguous float32")
+        check("butter_fill_candidates", self._lib.butter_fill_candidates(
+            *_buffer(logits), self.n_vocab, *_buffer(candidates)
+        ))
 
     def row_address(self, ordinal: int) -> int:
         """Where the logits of the last step's `ordinal`-th output row start."""
+        if not 0 <= ordinal < len(self.out):
+            raise IndexError(f"output row {ordinal} of {len(self.out)}")
         return int(self.out.ctypes.data) + ordinal * self.stride * self.out.itemsize
 
     def sample_rows(self, chains: list[Any], logits: list[int], apply: Any) -> list[int]:
-        """Each chain's pick from its row's logits (addresses), rows side by side on the
-        model's threads; `apply` is llama_sampler_apply. -1 where a chain picked nothing.
-        The caller accepts the tokens (llama_sampler_accept), as llama_sampler_sample does."""
+        """Each chain's pick from its row's logits (addresses of n_vocab floats each), rows
+        side by side on the model's threads; `apply` is llama_sampler_apply. -1 where a
+        chain picked nothing. The caller accepts the tokens (llama_sampler_accept), as
+        llama_sampler_sample does."""
         count = len(chains)
         chain_array = (ctypes.c_void_p * count)(*(ctypes.cast(c, _P).value for c in chains))
-        logits_array = (ctypes.c_void_p * count)(*logits)
+        logits_array = (ctypes.c_void_p * len(logits))(*logits)
         chosen = (ctypes.c_int32 * count)()
-        self._lib.butter_sample_rows(
-            count, chain_array, logits_array, self.n_vocab, ctypes.cast(apply, _P),
-            self._sampling_scratch.ctypes.data, self._threads, chosen,
-        )
+        check("butter_sample_rows", self._lib.butter_sample_rows(
+            count, chain_array, ctypes.sizeof(chain_array),
+            logits_array, ctypes.sizeof(logits_array), self.n_vocab, ctypes.cast(apply, _P),
+            *_buffer(self._sampling_scratch), self._threads, chosen, ctypes.sizeof(chosen),
+        ))
         return list(chosen)
+
+
+def _buffer(array: npt.NDArray[Any]) -> tuple[int, int]:
+    """A contiguous array as C sees it: its address and its size in bytes."""
+    if not array.flags.c_contiguous:
+        raise ValueError("the kernel reads and writes contiguous arrays only")
+    return int(array.ctypes.data), int(array.nbytes)

@@ -1,10 +1,10 @@
 """How to lay out a step's output rows, chosen by measurement (pure: no llama.cpp here).
 
-On llama.cpp's CPU backend the cost of a step is dominated by the output projection (for
-Gemma 3 270M the 262k-token vocabulary is 71% of the weights), and its matmul kernels do
-not scale smoothly with the number of output rows. Measured on 2 cores with the demo GGUF:
-8 rows take 45 ms but 6 rows 55 ms, and 2 rows 23.7 ms where two 1-row decodes take
-21.9 ms. So a step can be evaluated in one of three shapes:
+On llama.cpp's CPU backend the cost of a step on a small model is dominated by the output
+projection, and its matmul kernels do not scale smoothly with the number of output rows:
+more rows can cost less, and two single-row decodes less than one of two rows (the
+measurements are in docs/architecture.md, "Step shaping"). So a step can be evaluated in
+one of three shapes:
 
 - PLAIN: the rows as they are;
 - PADDED: logits requested on scratch rows up to the next multiple of 8, so that the

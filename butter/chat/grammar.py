@@ -1,34 +1,31 @@
-"""GBNF grammars that force valid tool calls and JSON output (pure text).
+"""What forced tool calls and JSON output must look like, as a neutral constraint (pure).
 
-The JSON-schema → GBNF conversion is llama-cpp-python's pure-Python converter (the
-same one llama.cpp's server ships); this module only chooses the schema and wraps the
-result in the `<tool_call>` markup that the markup parser recovers.
+This module only chooses the JSON schema and whether the output is that JSON alone or one
+call wrapped in the `<tool_call>` markup that the markup parser recovers. Each backend
+compiles the constraint into its own grammar engine's form (llama.cpp: GBNF through
+llama-cpp-python's JSON-schema converter; MLX: llguidance, which reads JSON schemas
+itself), and says through `check_sampling` (ValueError) when a schema cannot be followed.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from butter.errors import InvalidRequest
+from butter.sampling import OutputConstraint
 
-_ROOT_RULE = re.compile(r"^root ::=", re.MULTILINE)
+__all__ = [
+    "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "OutputConstraint",
+    "json_object_grammar", "json_schema_grammar", "tool_call_grammar",
+]
+
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 
-def _schema_to_gbnf(schema: Mapping[str, Any], param: str) -> str:
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
-
-    try:
-        return str(json_schema_to_gbnf(json.dumps(schema)))
-    except (ValueError, KeyError, TypeError, RecursionError, NotImplementedError) as exc:
-        raise InvalidRequest(f"cannot turn this JSON schema into a grammar: {exc}",
-                             param=param) from None
-
-
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = None) -> str:
+def tool_call_grammar(
+    tools: Sequence[Mapping[str, Any]], only: str | None = None
+) -> OutputConstraint:
     """Exactly one `<tool_call>` of one of `tools` (or of the one named `only`)."""
     functions = [tool["function"] for tool in tools if "function" in tool]
     if only is not None:
@@ -40,10 +37,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], only: str | None = Non
         raise InvalidRequest("tool_choice requires at least one tool", param="tool_choice")
     variants = [_call_schema(f) for f in functions]
     schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
-    body = _ROOT_RULE.sub("call ::=", _schema_to_gbnf(schema, "tools"))
-    # The markers stand as literals of their own, so a backend can match them as the
-    # single tokens many vocabularies have for them (see backends/mlx.py).
-    return f'root ::= "{TOOL_CALL_OPEN}" "\\n" call "\\n" "{TOOL_CALL_CLOSE}"\n' + body
+    return OutputConstraint.of(schema, tool_call=True)
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,12 +46,15 @@ def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
+        # Said outright: llama.cpp's converter forbids other keys by default, llguidance
+        # (following the JSON-schema spec) would allow them.
+        "additionalProperties": False,
     }
 
 
-def json_object_grammar() -> str:
-    return _schema_to_gbnf({"type": "object"}, "response_format")
+def json_object_grammar() -> OutputConstraint:
+    return OutputConstraint.of({"type": "object"})
 
 
-def json_schema_grammar(schema: Mapping[str, Any]) -> str:
-    return _schema_to_gbnf(schema, "response_format.json_schema")
+def json_schema_grammar(schema: Mapping[str, Any]) -> OutputConstraint:
+    return OutputConstraint.of(schema)

@@ -116,9 +116,24 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """The prompt text. System messages after the first position are rendered in
+        place; a template that refuses them (many allow one system message, first) gets
+        them folded into the nearest user turn instead (see fold_inner_system_messages)."""
         if tools and not self.renders_tools:
             messages = with_tools_preamble(messages, tools)
             tools = None
+        try:
+            return self._render(messages, tools, add_generation_prompt, template_kwargs)
+        except InvalidRequest:
+            folded = fold_inner_system_messages(messages)
+            if folded == messages:
+                raise
+            return self._render(folded, tools, add_generation_prompt, template_kwargs)
+
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
+    ) -> str:
         variables: dict[str, Any] = dict(template_kwargs or {})
         variables.update(
             messages=messages,
@@ -159,3 +174,21 @@ def with_tools_preamble(
         first["content"] = f"{first.get('content') or ''}\n\n{preamble}".lstrip()
         return [first, *messages[1:]]
     return [{"role": "system", "content": preamble}, *messages]
+
+
+def fold_inner_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """System messages after the first position, folded into the nearest user turn: the
+    next one (before its text), else the previous one (after its text). Where there is no
+    user turn at all they stay as they are."""
+    folded = [dict(message) for message in messages]
+    inner = [i for i, message in enumerate(folded)
+             if i > 0 and message["role"] in ("system", "developer")]
+    users = [i for i, message in enumerate(folded) if message["role"] == "user"]
+    if not inner or not users:
+        return messages
+    for i in inner:
+        later = [u for u in users if u > i]
+        target = later[0] if later else users[-1]
+        text, own = folded[i].get("content") or "", folded[target].get("content") or ""
+        folded[target]["content"] = f"{text}\n\n{own}" if later else f"{own}\n\n{text}"
+    return [message for i, message in enumerate(folded) if i not in inner]

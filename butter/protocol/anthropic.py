@@ -4,6 +4,19 @@ A Messages request becomes an OpenAI-shaped chat request, so both APIs share one
 through templates, the engine and the markup parser; the results convert back into
 content blocks, stop reasons and Anthropic's usage (input tokens exclude the cached
 part, which is reported as cache_read_input_tokens).
+
+What agent clients send beyond the basics (Claude Code, see the README):
+- `system`-role entries inside `messages` stay in place, in order, as system messages
+  (the chat template renders them, or they are folded into the nearest user turn: see
+  butter/chat/template.py).
+- A system text block that starts with `x-anthropic-billing-header:` is billing metadata,
+  not an instruction: it never reaches the prompt, so that its per-version (and in some
+  versions per-request) values never invalidate the cached prefix.
+- `thinking`: `enabled` and `adaptive` turn the template's thinking on, `disabled` off;
+  `display: "omitted"` returns thinking blocks empty. `output_config.effort` becomes the
+  template's `reasoning_effort`.
+- `cache_control` and `context_management` are accepted and have nothing to do here:
+  butter reuses every cached prefix by itself, and the client manages its own context.
 """
 
 from __future__ import annotations
@@ -13,6 +26,7 @@ from typing import Any, Literal
 
 import attrs
 
+from butter.chat.request import FinishReason, Usage
 from butter.errors import InvalidRequest
 from butter.protocol import openai
 from butter.protocol.convert import make_converter, structure_request
@@ -28,6 +42,7 @@ class Block:
     name: str | None = None
     input: dict[str, Any] | None = None
     tool_use_id: str | None = None
+    tool_name: str | None = None  # tool_reference blocks
     content: str | list[Block] | None = None
     is_error: bool | None = None
     thinking: str | None = None
@@ -46,6 +61,9 @@ class ToolDef:
     input_schema: dict[str, Any]
     description: str | None = None
     type: str | None = None
+    # Deferred tools are loaded only once a tool search references them (Claude Code's
+    # ToolSearch); until then the model is not offered them.
+    defer_loading: bool | None = None
 
 
 @attrs.frozen
@@ -57,8 +75,14 @@ class ToolChoice:
 
 @attrs.frozen
 class ThinkingConfig:
-    type: str
+    type: str  # enabled, adaptive (on where the template can think) or disabled
     budget_tokens: int | None = None
+    display: str | None = None  # "omitted": thinking blocks come back empty
+
+
+@attrs.frozen
+class OutputConfig:
+    effort: str | None = None  # low, medium, high (xhigh and max: high)
 
 
 @attrs.frozen
@@ -74,6 +98,7 @@ class MessagesRequest:
     top_p: float | None = None
     top_k: int | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
     metadata: dict[str, Any] | None = None
     stream: bool = False
 
@@ -86,7 +111,14 @@ class CountTokensRequest:
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
+
+BILLING_HEADER_PREFIX = "x-anthropic-billing-header:"
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+# Anthropic's effort levels -> the chat templates' reasoning_effort (--reasoning-effort).
+EFFORT_LEVELS = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high",
+                 "max": "high"}
 
 _converter = make_converter()
 
@@ -99,11 +131,29 @@ def parse_messages_request(payload: Any) -> MessagesRequest:
         raise InvalidRequest("max_tokens: must be at least 1", param="max_tokens")
     if request.temperature is not None and not 0.0 <= request.temperature <= 1.0:
         raise InvalidRequest("temperature: must be between 0 and 1", param="temperature")
+    _check_thinking_and_effort(request)
     return request
 
 
 def parse_count_tokens_request(payload: Any) -> CountTokensRequest:
-    return structure_request(_converter, payload, CountTokensRequest)
+    request = structure_request(_converter, payload, CountTokensRequest)
+    _check_thinking_and_effort(request)
+    return request
+
+
+def _check_thinking_and_effort(request: MessagesRequest | CountTokensRequest) -> None:
+    if request.thinking is not None and request.thinking.type not in THINKING_TYPES:
+        raise InvalidRequest(f"thinking.type: must be one of {', '.join(THINKING_TYPES)}",
+                             param="thinking.type")
+    effort = request.output_config.effort if request.output_config else None
+    if effort is not None and effort not in EFFORT_LEVELS:
+        raise InvalidRequest(f"output_config.effort: must be one of {', '.join(EFFORT_LEVELS)}",
+                             param="output_config.effort")
+
+
+def shows_thinking(request: MessagesRequest) -> bool:
+    """False when the client asked for thinking blocks without their text."""
+    return request.thinking is None or request.thinking.display != "omitted"
 
 
 # ---------------------------------------------------------------- request → chat
@@ -115,12 +165,19 @@ def to_chat_request(request: MessagesRequest | CountTokensRequest) -> (
     payload: dict[str, Any] = {"messages": _chat_messages(request)}
     if request.model is not None:
         payload["model"] = request.model
-    if request.tools:
-        payload["tools"] = [_chat_tool(tool) for tool in request.tools]
+    offered = [tool for tool in request.tools or [] if not tool.defer_loading]
+    if offered:
+        payload["tools"] = [_chat_tool(tool) for tool in offered]
     if request.tool_choice is not None:
         payload["tool_choice"] = _chat_tool_choice(request.tool_choice)
+    template_kwargs: dict[str, Any] = {}
     if request.thinking is not None:
-        payload["chat_template_kwargs"] = {"enable_thinking": request.thinking.type == "enabled"}
+        template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
+    if template_kwargs:
+        payload["chat_template_kwargs"] = template_kwargs
+    effort = request.output_config.effort if request.output_config else None
+    if effort is not None:
+        payload["reasoning_effort"] = EFFORT_LEVELS[effort]
     if isinstance(request, MessagesRequest):
         payload["max_tokens"] = request.max_tokens
         for name in ("temperature", "top_p", "top_k"):
@@ -141,16 +198,26 @@ def _chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[s
             messages.extend(_user_messages(message, index))
         elif message.role == "assistant":
             messages.append(_assistant_message(message, index))
+        elif message.role == "system":  # e.g. Claude Code's reminders between user turns
+            text = _system_text(message.content, f"messages.{index}.content")
+            if text:
+                messages.append({"role": "system", "content": text})
         else:
-            raise InvalidRequest(f"messages.{index}.role: must be user or assistant",
+            raise InvalidRequest(f"messages.{index}.role: must be user, assistant or system",
                                  param=f"messages.{index}.role")
     return messages
 
 
-def _system_text(system: str | list[Block] | None) -> str:
+def _system_text(system: str | list[Block] | None, where: str = "system") -> str:
+    """The instructions of a system prompt: its text blocks, without billing metadata."""
     if system is None or isinstance(system, str):
-        return system or ""
-    return "\n\n".join(_text_of(block, "system") for block in system)
+        return "" if system is None or _is_billing_header(system) else system
+    texts = [_text_of(block, where) for block in system]
+    return "\n\n".join(text for text in texts if not _is_billing_header(text))
+
+
+def _is_billing_header(text: str) -> bool:
+    return text.lstrip().startswith(BILLING_HEADER_PREFIX)
 
 
 def _text_of(block: Block, where: str) -> str:
@@ -181,8 +248,14 @@ def _tool_result_text(block: Block, index: int) -> str:
     if content is None or isinstance(content, str):
         text = content or ""
     else:
-        text = "\n\n".join(_text_of(part, f"messages.{index}.content") for part in content)
+        text = "\n\n".join(_tool_result_part(part, index) for part in content)
     return f"Error: {text}" if block.is_error else text
+
+
+def _tool_result_part(part: Block, index: int) -> str:
+    if part.type == "tool_reference":  # a tool search's answer: this tool is now offered
+        return f"Tool loaded: {part.tool_name}"
+    return _text_of(part, f"messages.{index}.content")
 
 
 def _assistant_message(message: Message, index: int) -> dict[str, Any]:
@@ -235,7 +308,7 @@ def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
 
 
-def stop_reason(finish: openai.FinishReason, matched_stop: str | None) -> StopReason:
+def stop_reason(finish: FinishReason, matched_stop: str | None) -> StopReason:
     if finish == "tool_calls":
         return "tool_use"
     if finish == "length":
@@ -243,7 +316,7 @@ def stop_reason(finish: openai.FinishReason, matched_stop: str | None) -> StopRe
     return "stop_sequence" if matched_stop is not None else "end_turn"
 
 
-def usage_body(usage: openai.Usage) -> dict[str, int]:
+def usage_body(usage: Usage) -> dict[str, int]:
     return {
         "input_tokens": usage.prompt_tokens - usage.cached_tokens,
         "output_tokens": usage.completion_tokens,
@@ -254,7 +327,7 @@ def usage_body(usage: openai.Usage) -> dict[str, int]:
 
 def message_body(
     *, message_id: str, model: str, content: list[dict[str, Any]], stop: StopReason | None,
-    stop_sequence: str | None, usage: openai.Usage,
+    stop_sequence: str | None, usage: Usage,
 ) -> dict[str, Any]:
     return {
         "id": message_id,

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
+from butter.chat import grammar as grammars
+from butter.chat.request import ChatPrompt, FinishReason, GenerationRequest, Prompt, Usage
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
 from butter.sampling import MAX_SEED, SamplingParams
@@ -289,25 +291,57 @@ def template_tool(tool: Tool) -> dict[str, Any]:
     return {"type": tool.type, "function": function}
 
 
+# ---------------------------------------------------------------- request → generation
+
+def generation_request(
+    request: ChatCompletionRequest, prompt: Prompt | None = None
+) -> GenerationRequest:
+    """What the pipeline runs for this request; `prompt` replaces the messages (the
+    library completes raw text with the chat request's other fields)."""
+    if prompt is None:
+        prompt = ChatPrompt(template_messages(request), tools=template_tools(request),
+                            template_kwargs=template_kwargs(request))
+    return GenerationRequest(
+        prompt=prompt,
+        sampling=attrs.evolve(sampling_params(request), grammar=output_constraint(request)),
+        max_tokens=request.requested_max_tokens,
+        stop=request.stop_strings,
+        tool_schemas=tool_schemas(request),
+    )
+
+
+def output_constraint(request: ChatCompletionRequest) -> grammars.OutputConstraint | None:
+    """What the output must follow: a call for `tool_choice` required / named, or JSON
+    for `response_format`; None: free text."""
+    forced = forced_tool(request)
+    wants_call = request.tool_choice == "required" or forced is not None
+    response_format = request.response_format
+    wants_json = response_format is not None and response_format.type != "text"
+    if wants_call and wants_json:
+        raise InvalidRequest("tool_choice that forces a call cannot be combined with a JSON "
+                             "response_format", param="response_format")
+    if wants_call:
+        if not request.tools:
+            raise InvalidRequest("tool_choice requires tools", param="tool_choice")
+        tools = [template_tool(tool) for tool in request.tools]
+        return grammars.tool_call_grammar(tools, forced)
+    if response_format is None or not wants_json:
+        return None
+    if response_format.type == "json_object":
+        return grammars.json_object_grammar()
+    return grammars.json_schema_grammar((response_format.json_schema or {})["schema"])
+
+
 # ---------------------------------------------------------------- responses
 
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "cached_tokens": usage.cached_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
 
 
 def tool_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any] | None]:
@@ -334,7 +368,7 @@ def completion_body(
         "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
                      "logprobs": None}],
-        "usage": usage.body(),
+        "usage": usage_body(usage),
     }
 
 
@@ -361,7 +395,7 @@ def usage_chunk_body(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage.body(),
+        "usage": usage_body(usage),
     }
 
 

@@ -15,28 +15,30 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from butter import __version__
-from butter.backends.base import BackendError
+from butter.chat.request import GenerationRequest
 from butter.engine.engine import Engine, Generation
 from butter.errors import (
     ButterError,
     InvalidRequest,
     ModelNotFound,
-    ModelReplaced,
     Overloaded,
     RequestTooLarge,
     Unauthorized,
 )
+from butter.pipeline import prepare as preparing
+from butter.pipeline.prepare import PreparedGeneration
+from butter.pipeline.resident import ResidentModel
+from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
 from butter.server import chat_completions, messages
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
-from butter.server.resident import ResidentModel
 from butter.settings import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_MESSAGES,
 )
+from butter.version import __version__
 
 log = logging.getLogger("butter")
 request_log = logging.getLogger("butter.requests")
@@ -53,14 +55,10 @@ class HttpLimits:
     api_key: str | None = None
 
 
-async def prepare(resident: ResidentModel, request: openai.ChatCompletionRequest
-                  ) -> chat_completions.PreparedChat:
+async def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
     """Render, tokenize and check a request on a worker thread: long prompts, big tool
     schemas and grammar compilation would otherwise stall every stream on the event loop."""
-    try:
-        return await trio.to_thread.run_sync(chat_completions.prepare, resident, request)
-    except BackendError as exc:  # a swap unloaded this model while the request was prepared
-        raise ModelReplaced(str(exc)) from None
+    return await trio.to_thread.run_sync(preparing.prepare, resident, request)
 
 
 def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> QuartTrio:
@@ -108,8 +106,8 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         metrics.requests.labels(route=rule, status=str(response.status_code)).inc()
         return response
 
-    def observer(route: str) -> chat_completions.RequestObserver:
-        return chat_completions.RequestObserver(route=route, on_finish=_finish(metrics))
+    def observer(route: str) -> RequestObserver:
+        return RequestObserver(route=route, on_finish=_finish(metrics))
 
     def check_messages(count: int) -> None:
         if count > limits.max_messages:
@@ -132,6 +130,12 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
     @app.get("/health")
     async def health() -> Response:
         return Response("ok", mimetype="text/plain")
+
+    @app.get("/")
+    async def root() -> Response:
+        """Clients probe the base URL before their first request (Claude Code sends HEAD;
+        Quart answers HEAD from the GET route)."""
+        return Response(f"butter {__version__}", mimetype="text/plain")
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -156,15 +160,16 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
     async def chat() -> Response:
         chat_request = openai.parse_chat_request(await _json_body())
         check_messages(len(chat_request.messages))
+        generation = openai.generation_request(chat_request)
         resident = await backend.resident_for(chat_request.model)
-        prepared = await prepare(resident, chat_request)
+        prepared = await prepare(resident, generation)
         watch = observer("/v1/chat/completions")
         if not chat_request.stream:
             return _json(await chat_completions.complete(resident, prepared, watch))
         resident.engine.admission.check_queue_room()
         return Response(
-            chat_completions.stream(resident, prepared, flush_interval=stream_flush,
-                                    observer=watch),
+            chat_completions.stream(resident, prepared, include_usage=chat_request.include_usage,
+                                    flush_interval=stream_flush, observer=watch),
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 
@@ -174,13 +179,15 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         check_messages(len(messages_request.messages))
         chat_request = anthropic.to_chat_request(messages_request)
         resident = await backend.resident_for(chat_request.model)
-        prepared = await prepare(resident, chat_request)
+        prepared = await prepare(resident, openai.generation_request(chat_request))
         watch = observer("/v1/messages")
+        show_thinking = anthropic.shows_thinking(messages_request)
         if not messages_request.stream:
-            return _json(await messages.create(resident, prepared, watch))
+            return _json(await messages.create(resident, prepared, watch,
+                                               show_thinking=show_thinking))
         resident.engine.admission.check_queue_room()
         return Response(messages.stream(resident, prepared, flush_interval=stream_flush,
-                                        observer=watch),
+                                        observer=watch, show_thinking=show_thinking),
                         mimetype="text/event-stream", headers=SSE_HEADERS)
 
     @app.post("/v1/messages/count_tokens")
@@ -190,7 +197,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         )
         resident = backend.current  # counting never swaps models
         _check_model(resident, chat_request.model)
-        prepared = await prepare(resident, chat_request)
+        prepared = await prepare(resident, openai.generation_request(chat_request))
         return _json({"input_tokens": len(prepared.prompt)})
 
     return app
@@ -205,8 +212,8 @@ def _engine_of(backend: ServeBackend) -> Engine | None:
 
 def _finish(
     metrics: Metrics,
-) -> Callable[[chat_completions.RequestObserver, Generation | None, bool], None]:
-    def finish(watch: chat_completions.RequestObserver, generation: Generation | None,
+) -> Callable[[RequestObserver, Generation | None, bool], None]:
+    def finish(watch: RequestObserver, generation: Generation | None,
                cancelled: bool) -> None:
         if cancelled:
             metrics.cancellations.inc()

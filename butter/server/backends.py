@@ -1,4 +1,6 @@
-"""What a ServeServer serves: a fixed Model, or a resident Model that requests can swap.
+"""What a ServeServer serves: a fixed model, or a resident model that requests can swap.
+
+Both take a LoadedModel (butter.Model is one: the library's model is served as it is).
 
 - `ButterServeBackend(model=..., model_id=...)`: one Model, never swapped.
 - `ResidentServeBackend(loader=..., initial_model_id=...)`: one resident Model at a time,
@@ -17,15 +19,14 @@ from typing import Protocol
 
 import trio
 
-from butter.backends.llama_cpp import check_gguf_file
 from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound
-from butter.model import Model
-from butter.models import InvalidModelId, resolve_model
-from butter.server.resident import ResidentModel
+from butter.models import InvalidModelId, check_gguf_file, resolve_model
+from butter.pipeline.loaded import LoadedModel
+from butter.pipeline.resident import ResidentModel
 
 log = logging.getLogger("butter")
 
-Loader = Callable[[str], Awaitable[Model]]
+Loader = Callable[[str], Awaitable[LoadedModel]]
 
 
 class ServeBackend(Protocol):
@@ -70,7 +71,7 @@ class ButterServeBackend:
 
     allow_swap = False
 
-    def __init__(self, *, model: Model, model_id: str | None = None,
+    def __init__(self, *, model: LoadedModel, model_id: str | None = None,
                  maximum_concurrent_requests: int | None = None) -> None:
         self.model = model
         self.swaps = 0
@@ -107,7 +108,7 @@ class ResidentServeBackend:
 
     def __init__(
         self, *, loader: Loader, initial_model_id: str | None = None,
-        initial: Model | None = None, allow_swap: bool = True,
+        initial: LoadedModel | None = None, allow_swap: bool = True,
         precheck: Callable[[str], None] | None = None,
     ) -> None:
         """`precheck(id)` raises ModelLoadError for ids that cannot load, before the old

@@ -1,4 +1,4 @@
-"""POST /v1/messages (Anthropic): the chat path underneath, Messages on the wire."""
+"""POST /v1/messages (Anthropic): the pipeline's events as a message body or SSE events."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
+from butter.chat.markup import Event, ReasoningDelta, ToolCall
 from butter.errors import ButterError
+from butter.pipeline.output import OutputAssembler, OutputBlocks, ReasoningBlock, TextBlock
+from butter.pipeline.prepare import PreparedGeneration
+from butter.pipeline.resident import ResidentModel
+from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running, usage
 from butter.protocol import anthropic
 from butter.protocol.sse import named_event
-from butter.server import chat_completions as chat
 from butter.server.coalesce import FrameCoalescer
-from butter.server.resident import ResidentModel
 
 # While a long prompt is prefilled, a ping keeps proxies and clients from timing out.
 PING_INTERVAL_SECONDS = 1.0
@@ -24,51 +26,42 @@ def new_message_id() -> str:
 
 
 async def create(
-    resident: ResidentModel, prepared: chat.PreparedChat,
-    observer: chat.RequestObserver | None = None,
+    resident: ResidentModel, prepared: PreparedGeneration,
+    observer: RequestObserver | None = None, *, show_thinking: bool = True,
 ) -> dict[str, Any]:
-    assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
-    blocks = _BlockCollector()
-    async with chat.running(resident, prepared, observer) as generation:
-        async for event in chat.generated_events(generation, assembler, observer=observer):
+    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
+    answer = OutputBlocks()
+    async with running(resident, prepared, observer) as generation:
+        async for event in generated_events(generation, assembler, observer=observer):
             if event is not None:
-                blocks.add(event)
-    finish = chat.finish_reason(generation, assembler)
+                answer.add(event)
+    finish = finish_reason(generation, assembler)
     return anthropic.message_body(
-        message_id=new_message_id(), model=resident.model_id, content=blocks.blocks,
+        message_id=new_message_id(), model=resident.model_id,
+        content=[_content_block(block, show_thinking) for block in answer.blocks],
         stop=anthropic.stop_reason(finish, assembler.matched_stop),
-        stop_sequence=assembler.matched_stop, usage=chat.usage(generation),
+        stop_sequence=assembler.matched_stop, usage=usage(generation),
     )
 
 
-class _BlockCollector:
-    """Events → content blocks, merging consecutive text or thinking."""
-
-    def __init__(self) -> None:
-        self.blocks: list[dict[str, Any]] = []
-
-    def add(self, event: Event) -> None:
-        last = self.blocks[-1] if self.blocks else None
-        if isinstance(event, ContentDelta):
-            if last is not None and last["type"] == "text":
-                last["text"] += event.text
-            else:
-                self.blocks.append({"type": "text", "text": event.text})
-        elif isinstance(event, ReasoningDelta):
-            if last is not None and last["type"] == "thinking":
-                last["thinking"] += event.text
-            else:
-                self.blocks.append({"type": "thinking", "thinking": event.text, "signature": ""})
-        else:
-            self.blocks.append(anthropic.tool_use_block(event.id, event.name, event.arguments))
+def _content_block(block: TextBlock | ReasoningBlock | ToolCall, show_thinking: bool
+                   ) -> dict[str, Any]:
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    if isinstance(block, ReasoningBlock):
+        return {"type": "thinking", "thinking": block.text if show_thinking else "",
+                "signature": ""}
+    return anthropic.tool_use_block(block.id, block.name, block.arguments)
 
 
 class _StreamBlocks:
     """Tracks the open content block of a stream and emits start/delta/stop events."""
 
-    def __init__(self) -> None:
+    def __init__(self, show_thinking: bool = True) -> None:
         self._index = -1
         self._open: str | None = None
+        # False (thinking.display "omitted"): thinking blocks open and close, empty.
+        self._show_thinking = show_thinking
 
     def on(self, event: Event) -> list[bytes]:
         frames: list[bytes] = []
@@ -87,9 +80,11 @@ class _StreamBlocks:
                      else {"type": "text", "text": ""})
             frames += self._start(start)
             self._open = kind
-        delta = ({"type": "thinking_delta", "thinking": event.text} if kind == "thinking"
-                 else {"type": "text_delta", "text": event.text})
-        frames.append(self._delta(delta))
+        if kind == "thinking":
+            if self._show_thinking:
+                frames.append(self._delta({"type": "thinking_delta", "thinking": event.text}))
+        else:
+            frames.append(self._delta({"type": "text_delta", "text": event.text}))
         return frames
 
     def close(self) -> list[bytes]:
@@ -111,22 +106,22 @@ class _StreamBlocks:
 
 
 async def stream(
-    resident: ResidentModel, prepared: chat.PreparedChat, *, flush_interval: float = 0.0,
-    observer: chat.RequestObserver | None = None,
+    resident: ResidentModel, prepared: PreparedGeneration, *, flush_interval: float = 0.0,
+    observer: RequestObserver | None = None, show_thinking: bool = True,
 ) -> AsyncIterator[bytes]:
-    assembler = chat.OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
+    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
     frames = FrameCoalescer(flush_interval)
-    blocks = _StreamBlocks()
+    blocks = _StreamBlocks(show_thinking)
     message_id = new_message_id()
     try:
-        async with chat.running(resident, prepared, observer) as generation:
+        async with running(resident, prepared, observer) as generation:
             await generation.attached.wait()  # the cached prefix is known from here on
             start = anthropic.message_body(
                 message_id=message_id, model=resident.model_id, content=[], stop=None,
-                stop_sequence=None, usage=chat.usage(generation),
+                stop_sequence=None, usage=usage(generation),
             )
             yield named_event("message_start", {"type": "message_start", "message": start})
-            async for event in chat.generated_events(
+            async for event in generated_events(
                 generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
             ):
                 frame = named_event("ping", {"type": "ping"}) if event is None else b"".join(
@@ -134,7 +129,7 @@ async def stream(
                 ready = frames.add(frame)
                 if ready:
                     yield ready
-        finish = chat.finish_reason(generation, assembler)
+        finish = finish_reason(generation, assembler)
     except ButterError as exc:  # after the headers went out: close blocks, then an error event
         yield b"".join([frames.take(), *blocks.close(),
                         named_event("error", exc.anthropic_body())])
@@ -143,7 +138,7 @@ async def stream(
         "type": "message_delta",
         "delta": {"stop_reason": anthropic.stop_reason(finish, assembler.matched_stop),
                   "stop_sequence": assembler.matched_stop},
-        "usage": anthropic.usage_body(chat.usage(generation)),
+        "usage": anthropic.usage_body(usage(generation)),
     }
     yield b"".join([frames.take(), *blocks.close(), named_event("message_delta", delta),
                     named_event("message_stop", {"type": "message_stop"})])

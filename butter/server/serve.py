@@ -31,14 +31,6 @@ from butter.settings import (
     DEFAULT_STREAM_FLUSH_SECONDS,
 )
 
-ROUTES = (
-    "GET  /health",
-    "GET  /v1/models",
-    "GET  /v1/server",
-    "POST /v1/chat/completions",
-    "POST /v1/messages",
-)
-
 log = logging.getLogger("butter")
 
 AsgiApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
@@ -85,6 +77,16 @@ class ServeServer:
         self.backend = backend
         self.shutdown_grace = shutdown_grace
         self.shutdown_requested = trio.Event()
+        self.app = create_app(self.backend, self.limits)
+
+    def routes(self) -> list[str]:
+        """"METHOD /path" of every route the app serves, read from the app itself."""
+        lines = []
+        for rule in sorted(self.app.url_map.iter_rules(), key=lambda rule: rule.rule):
+            methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+            if rule.endpoint != "static":
+                lines.append(f"{'/'.join(methods):<5} {rule.rule}")
+        return lines
 
     def _config(self) -> Config:
         config = Config()
@@ -108,7 +110,7 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = ShieldResponseEnd(create_app(self.backend, self.limits))  # type: ignore[arg-type]
+        app = ShieldResponseEnd(self.app)  # type: ignore[arg-type]
         await self.backend.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(self._serve_http, app)

@@ -1,4 +1,4 @@
-"""The resident model: backend + engine + chat template, under one id."""
+"""The resident model: backend + engine + chat template under one id, and how it loads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import attrs
 import trio
 
 from butter.backends.base import Backend
-from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
 from butter.errors import ModelLoadError
@@ -49,6 +48,8 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         from butter.backends.mlx import MlxBackend
 
         return MlxBackend(path, n_cells=size_pool, n_seq=settings.parallel, kv_type=kv_type)
+    from butter.backends.llama_cpp import LlamaCppBackend  # (an MLX-only install has none)
+
     return LlamaCppBackend(
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
@@ -75,6 +76,7 @@ class ResidentModel:
             window=self.window,
         )
         self.kv_requested = settings.kv_cache
+        self.strict_max_tokens = settings.strict_max_tokens
         self.aura_decode_path = settings.aura_decode_path
 
     @classmethod
@@ -129,24 +131,10 @@ class ResidentModel:
             "size_bytes": info.size_bytes,
             "chat_template": self.template.origin,
             "kv_cells": self.backend.n_cells,
-            "step_shapes": self.step_shapes(),
-            "lm_head": self.lm_head(),
+            **self.backend.diagnostics(),  # step_shapes, lm_head, ...: each backend its own
             "parallel": self.backend.n_seq,
             "kv": self.kv_info(),
         }
-
-    def step_shapes(self) -> dict[str, str] | None:
-        """Decode-step layouts chosen so far by output rows (llama.cpp); None: not shaped."""
-        if not isinstance(self.backend, LlamaCppBackend) or not self.backend.shaper.enabled:
-            return None
-        return {str(n): shape for n, shape in self.backend.shaper.verdicts().items()}
-
-    def lm_head(self) -> dict[str, Any] | None:
-        """Who computes the logits on llama.cpp and why, and how many steps had to be
-        evaluated again by llama.cpp (docs/architecture.md); None: MLX."""
-        if not isinstance(self.backend, LlamaCppBackend):
-            return None
-        return {"by": self.backend.lm_head, "redone_steps": self.backend.lm_head_redos}
 
     def kv_info(self) -> dict[str, Any]:
         per_token = self.backend.kv_bytes_per_token

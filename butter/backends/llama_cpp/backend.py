@@ -1,0 +1,144 @@
+"""The llama.cpp backend: a loaded GGUF (loading.py), stepped (stepping.py) and sampled
+(sampling.py) on the backend's own thread (butter/backends/worker.py).
+
+Every method that touches the context runs on that thread; ctypes releases the GIL during
+decode, so the trio loop keeps serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+
+from butter.backends.base import (
+    BackendError,
+    CopyPrefix,
+    KvOp,
+    RemoveTokens,
+    Sampled,
+    SeqWork,
+    SetSampler,
+    ShiftPositions,
+    apply_kv_ops,
+)
+from butter.backends.llama_cpp.loading import LlamaModel
+from butter.backends.llama_cpp.sampling import Samplers
+from butter.backends.llama_cpp.stepping import Stepper
+from butter.backends.shaping import StepShaper
+from butter.backends.worker import BackendWorker
+from butter.kv import KvCacheType
+from butter.sampling import SamplingParams
+
+
+class LlamaCppBackend:
+    def __init__(
+        self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
+        threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
+        fast_lm_head: bool = True,
+    ) -> None:
+        """`n_cells` may be a function of the trained context (known only after loading).
+
+        `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
+        that applies; `lm_head` then says which one does, and why."""
+        self.model = LlamaModel(
+            path, n_cells=n_cells, n_seq=n_seq, n_batch=n_batch, threads=threads,
+            kv_type=kv_type, fast_lm_head=fast_lm_head,
+        )
+        self.info = self.model.info
+        self.kv_type = self.model.kv_type
+        self.n_cells = self.model.n_cells
+        self.n_seq = n_seq
+        self.n_batch = self.model.n_batch
+        self.can_shift = self.model.can_shift
+        # swa_full keeps sliding-window layers whole, so only recurrent state cannot rewind.
+        self.rewind_limit = 1 if self.info.is_recurrent else None
+        self.samplers = Samplers(self.model)
+        self.shaper = StepShaper(enabled=step_shaping)
+        self.stepper = Stepper(self.model, self.samplers, self.shaper)
+        self._worker = BackendWorker("butter-llama", free=self._free)
+        if self.model.lm_head is not None:
+            try:
+                self._worker.run(self.model.verify_lm_head)
+            except BaseException:
+                self.close()
+                raise
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.kv_bytes_per_token
+
+    @property
+    def lm_head(self) -> str:
+        """Who computes the logits ("butter (ISA)" or "llama.cpp (why)")."""
+        return self.model.lm_head_by
+
+    @property
+    def lm_head_redos(self) -> int:
+        """Steps evaluated again by llama.cpp because it split them (docs/architecture.md)."""
+        return self.stepper.redone_steps
+
+    def diagnostics(self) -> dict[str, Any]:
+        shaper = self.shaper
+        shapes = ({str(n): shape for n, shape in shaper.verdicts().items()}
+                  if shaper.enabled else None)
+        return {
+            "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
+            "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
+        }
+
+    # ------------------------------------------------------------------ text and checks
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        with self._worker.using():
+            return self.model.tokenize(text, add_bos=add_bos)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Refuse (ValueError) what this backend cannot honour, before admission."""
+        with self._worker.using():
+            if params.grammar is not None:
+                self.samplers.grammars.check(params.grammar)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        return self.submit_step(ops, works).result()
+
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+        """`step` on the backend's thread; the engine awaits the future."""
+        return self._worker.submit(self._step, ops, works)
+
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        apply_kv_ops(self, ops)
+        return self.stepper.run(works)
+
+    def remove_tokens(self, op: RemoveTokens) -> None:
+        if not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.start, op.end):
+            # A partial removal the cache cannot do: drop the whole sequence instead;
+            # the engine only asks for partial removals when rewinding is supported.
+            raise BackendError(f"cannot remove positions {op.start}.. of seq {op.seq}")
+
+    def copy_prefix(self, op: CopyPrefix) -> None:
+        ll.llama_memory_seq_cp(self.model.mem, op.src, op.dst, 0, op.length)
+
+    def shift_positions(self, op: ShiftPositions) -> None:
+        ll.llama_memory_seq_add(self.model.mem, op.seq, op.start, -1, op.delta)
+
+    def set_sampler(self, op: SetSampler) -> None:
+        self.samplers.set(op.seq, op.params)
+
+    def step_logits(self, row: int) -> Any:
+        """A copy of the logits batch row `row` of the last decode was sampled from."""
+        return self.stepper.step_logits(row)
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _free(self) -> None:
+        self.samplers.free()
+        self.model.free()

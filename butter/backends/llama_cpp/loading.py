@@ -1,0 +1,304 @@
+"""A GGUF loaded into llama.cpp: the model, its context and batch, what it is, its text,
+and who computes its logits (butter's output projection where it applies and checks out,
+else llama.cpp's).
+
+One context with a unified KV cache shared by `n_seq` sequences (a partial `seq_cp`
+without a unified cache aborts the process), and `swa_full` so sliding-window models can
+rewind and share prefixes exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+
+from butter.backends.base import BackendError, ModelInfo
+from butter.backends.lmhead import LmHead, Unavailable, Verdict
+from butter.backends.shaping import padded_outputs
+from butter.errors import ModelLoadError
+from butter.kv import KvCacheType, parse_kv_cache
+from butter.models import check_gguf_file
+
+log = logging.getLogger(__name__)
+
+# llama.cpp's CPU matmuls take one code path for batches under 8 rows and another from
+# 8 rows on; a row's result is identical within a path wherever it sits in the batch,
+# but differs (slightly) across paths. Steps that evaluate prompt tokens are padded to
+# 8 rows with a scratch sequence, so a prompt's KV and first logits are bit-identical
+# whether it was prefilled cold, alone, beside others, or reused from the cache.
+# (Weight repacking is off for the same reason: its kernels make a row's result
+# depend on its position in the batch; see docs/architecture.md.)
+MIN_PROMPT_ROWS = 8
+
+# butter's output projection must reproduce llama.cpp's logits to within float rounding;
+# checked once at load on a probe prompt.
+LM_HEAD_TOLERANCE = 1e-3
+LM_HEAD_PROBE = "butter checks its output projection against llama.cpp's own."
+
+_backend_ready = threading.Lock()
+_backend_initialised = False
+_log_callback: Any = None  # kept alive for the life of the process, or llama.cpp segfaults
+
+
+def init_llama_backend() -> None:
+    """llama.cpp's process-wide setup, once, with its log chatter silenced."""
+    global _backend_initialised, _log_callback
+    with _backend_ready:
+        if _backend_initialised:
+            return
+        ll.llama_backend_init()
+
+        def _quiet(level: int, text: bytes, user_data: Any) -> None:
+            return None  # butter logs what matters itself; llama.cpp's chatter is noise.
+
+        _log_callback = ll.llama_log_callback(_quiet)
+        ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        _backend_initialised = True
+
+
+class LlamaModel:
+    """The native objects of one loaded GGUF (model, context, batch, butter's projection),
+    freed together by `free`. Everything that evaluates runs on the backend's thread."""
+
+    def __init__(
+        self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
+        threads: int, kv_type: KvCacheType | None, fast_lm_head: bool,
+    ) -> None:
+        """`n_cells` may be a function of the trained context (known only after loading)."""
+        init_llama_backend()
+        check_gguf_file(path)
+        self._piece_buffer = ctypes.create_string_buffer(256)
+        self.model: Any = _load_model(path)
+        self.ctx: Any = None
+        self.batch: Any = None
+        self.vocab = ll.llama_model_get_vocab(self.model)
+        try:
+            self.info = self._read_info(path)
+            cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
+            self.kv_type = kv_type or parse_kv_cache("raw")
+            self.lm_head, self.lm_head_by = _load_lm_head(
+                path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
+                n_vocab=self.info.n_vocab, recurrent=self.info.is_recurrent,
+            )
+            self._hook = self.lm_head  # referenced by the context (cb_eval) until it is freed
+            self.ctx = self._new_context(
+                cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads,
+            )
+        except BaseException:
+            self.free()
+            raise
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.n_cells = int(ll.llama_n_ctx(self.ctx)) - MIN_PROMPT_ROWS  # the padding's
+        self.pad_seq = n_seq  # a scratch sequence beyond the sessions' ones
+        self.n_batch = n_batch + MIN_PROMPT_ROWS
+        self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
+
+    # ------------------------------------------------------------------ what it is
+
+    def _read_info(self, path: Path) -> ModelInfo:
+        description = ctypes.create_string_buffer(256)
+        ll.llama_model_desc(self.model, description, len(description))
+        template = ll.llama_model_chat_template(self.model, None)
+        return ModelInfo(
+            path=str(path),
+            architecture=self._meta("general.architecture") or "unknown",
+            description=description.value.decode("utf-8", errors="replace"),
+            n_ctx_train=int(ll.llama_model_n_ctx_train(self.model)),
+            n_vocab=int(ll.llama_vocab_n_tokens(self.vocab)),
+            embedded_chat_template=template.decode("utf-8") if template else None,
+            bos_text=self._special_text(ll.llama_vocab_bos(self.vocab)),
+            eos_text=self._special_text(ll.llama_vocab_eos(self.vocab)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(self.vocab)),
+            is_recurrent=bool(
+                ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model)
+            ),
+            size_bytes=int(ll.llama_model_size(self.model)),
+        )
+
+    def _meta(self, key: str) -> str | None:
+        buffer = ctypes.create_string_buffer(4096)
+        length = ll.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
+        if length < 0:
+            return None
+        if length >= len(buffer):
+            buffer = ctypes.create_string_buffer(length + 1)
+            ll.llama_model_meta_val_str(self.model, key.encode(), buffer, len(buffer))
+        return buffer.value.decode("utf-8", errors="replace")
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """K and V bytes one position costs across all layers, at the cache's type."""
+        model, arch = self.model, self.info.architecture
+        n_head, n_head_kv = ll.llama_model_n_head(model), ll.llama_model_n_head_kv(model)
+        default_dim = ll.llama_model_n_embd(model) // max(1, n_head)
+        key_dim = int(self._meta(f"{arch}.attention.key_length") or default_dim)
+        value_dim = int(self._meta(f"{arch}.attention.value_length") or default_dim)
+        elements = ll.llama_model_n_layer(model) * n_head_kv * (key_dim + value_dim)
+        return float(elements * self.kv_type.bytes_per_element)
+
+    @property
+    def can_shift(self) -> bool:
+        return bool(ll.llama_memory_can_shift(self.mem))
+
+    def _new_context(self, n_cells: int, n_seq: int, n_batch: int, threads: int) -> Any:
+        params = ll.llama_context_default_params()
+        params.n_ctx = n_cells
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch  # one step = one graph evaluation
+        params.n_seq_max = n_seq
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.kv_unified = True
+        params.swa_full = True
+        params.no_perf = True
+        params.type_k = params.type_v = self.kv_type.ggml_type
+        if self.kv_type.quantized:  # a quantized V cache needs flash attention
+            params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        if self.lm_head is not None:  # the hook that computes the logits (lmhead.py)
+            hook = ll.ggml_backend_sched_eval_callback
+            params.cb_eval = ctypes.cast(self.lm_head.callback, hook)
+            params.cb_eval_user_data = self.lm_head.user_data
+        ctx = ll.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {n_cells} cells")
+        return ctx
+
+    # ------------------------------------------------------------------ text
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        tokens = (ll.llama_token * capacity)()
+        count = ll.llama_tokenize(self.vocab, data, len(data), tokens, capacity, add_bos, True)
+        if count < 0:
+            capacity = -count
+            tokens = (ll.llama_token * capacity)()
+            count = ll.llama_tokenize(
+                self.vocab, data, len(data), tokens, capacity, add_bos, True
+            )
+        return list(tokens[:count])
+
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        buffer = self._piece_buffer
+        length = ll.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
+        if length < 0:
+            buffer = ctypes.create_string_buffer(-length)
+            length = ll.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
+        return ctypes.string_at(buffer, length)  # not .raw: that copies the whole buffer
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self.vocab, token))
+
+    def _special_text(self, token: int) -> str:
+        if token < 0:
+            return ""
+        return self.piece(token, special=True).decode("utf-8", errors="replace")
+
+    # ------------------------------------------------------------------ logits
+
+    def llama_logits(self, row: int) -> Any:
+        """llama.cpp's logits of batch row `row` of the last decode (a view)."""
+        return np.ctypeslib.as_array(
+            ll.llama_get_logits_ith(self.ctx, row), shape=(self.info.n_vocab,)
+        )
+
+    def llama_logits_address(self, row: int) -> int:
+        address = ctypes.cast(ll.llama_get_logits_ith(self.ctx, row), ctypes.c_void_p).value
+        if address is None:
+            raise BackendError(f"llama.cpp has no logits for batch row {row}")
+        return address
+
+    # ------------------------------------------------------------------ butter's projection
+
+    def verify_lm_head(self) -> None:
+        """Compare one probe prompt's logits both ways; on disagreement use llama.cpp's.
+        (Evaluates: run it on the backend's thread.)"""
+        assert self.lm_head is not None
+        tokens = self.tokenize(LM_HEAD_PROBE, add_bos=self.info.add_bos)[: self.lm_head.rows]
+        theirs = self._probe_logits(tokens, armed=False)
+        ours = self._probe_logits(tokens, armed=True)
+        if ours is None or theirs is None:
+            problem = "its hook never saw the final norm"
+        else:
+            error = float(np.abs(ours - theirs).max())
+            limit = LM_HEAD_TOLERANCE * max(1.0, float(np.abs(theirs).max()))
+            if error <= limit:
+                return
+            problem = f"its logits differ from llama.cpp's by {error:.3g} (limit {limit:.3g})"
+        log.warning("butter's output projection is off for this model: %s", problem)
+        # The context keeps calling the (now unarmed) hook: `_hook` keeps its state alive.
+        self.lm_head, self.lm_head_by = None, f"llama.cpp (self-check failed: {problem})"
+
+    def _probe_logits(self, tokens: list[int], *, armed: bool) -> Any:
+        """Logits of every probe token, computed by butter (armed) or by llama.cpp."""
+        assert self.lm_head is not None
+        batch = self.batch
+        for row, token in enumerate(tokens):
+            batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, row, 1
+            batch.seq_id[row][0], batch.logits[row] = self.pad_seq, True
+        batch.n_tokens = len(tokens)
+        self.lm_head.arm(armed)
+        try:
+            if ll.llama_decode(self.ctx, batch) != 0:
+                raise ModelLoadError("llama.cpp could not evaluate the probe prompt")
+            if not armed:
+                return np.stack([self.llama_logits(row).copy() for row in range(len(tokens))])
+            if self.lm_head.verdict(len(tokens)) is not Verdict.OURS:
+                return None
+            return np.stack([self.lm_head.row(row).copy() for row in range(len(tokens))])
+        finally:
+            self.lm_head.arm(False)
+            ll.llama_memory_seq_rm(self.mem, self.pad_seq, -1, -1)
+
+    # ------------------------------------------------------------------ teardown
+
+    def free(self) -> None:
+        if self.batch is not None:
+            ll.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            ll.llama_free(self.ctx)
+            self.ctx = None
+        if self.model is not None:
+            ll.llama_model_free(self.model)
+            self.model = None
+
+
+def _load_model(path: Path) -> Any:
+    params = ll.llama_model_default_params()
+    params.use_extra_bufts = False  # no weight repacking: see MIN_PROMPT_ROWS
+    model = ll.llama_model_load_from_file(str(path).encode(), params)
+    if not model:
+        raise ModelLoadError(
+            f"llama.cpp could not load {path} (corrupt, truncated or unsupported model)"
+        )
+    return model
+
+
+def _load_lm_head(
+    path: Path, *, enabled: bool, threads: int, max_rows: int, n_vocab: int, recurrent: bool,
+) -> tuple[LmHead | None, str]:
+    """butter's output projection and "butter", or None and why llama.cpp's is used."""
+    if not enabled:
+        return None, "llama.cpp (--no-fast-lm-head)"
+    if ll.llama_supports_gpu_offload():
+        return None, "llama.cpp (a GPU build: the hidden state is not in host memory)"
+    if recurrent:  # llama.cpp splits their steps per sequence, and they cannot rewind
+        return None, "llama.cpp (a recurrent or hybrid model)"
+    try:
+        head = LmHead(path, threads=threads, max_rows=max_rows)
+    except Unavailable as exc:
+        return None, f"llama.cpp ({exc})"
+    except Exception as exc:  # e.g. a library that will not load: serve without it
+        log.warning("butter's output projection failed to load: %r", exc)
+        return None, f"llama.cpp (butter's failed to load: {exc!r})"
+    if head.n_vocab != n_vocab:
+        return None, f"llama.cpp (the output matrix has {head.n_vocab} rows, not {n_vocab})"
+    return head, f"butter ({head.isa})"

@@ -1,0 +1,147 @@
+"""One llama.cpp step: the works laid into the batch (padded for prompts, shaped for
+decodes, butter/backends/shaping.py), evaluated, evaluated again where llama.cpp split a
+step butter's projection was armed for, and their rows sampled."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import llama_cpp as ll
+
+from butter.backends.base import BackendError, Sampled, SeqWork
+from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
+from butter.backends.llama_cpp.sampling import Samplers
+from butter.backends.lmhead import Verdict
+from butter.backends.shaping import Shape, StepShaper, padded_outputs
+
+# (seq, batch row, output ordinal) of a row to sample
+SampleRow = tuple[int, int, int]
+
+
+class Stepper:
+    """Evaluates the works of a step and samples them (on the backend's thread)."""
+
+    def __init__(self, model: LlamaModel, samplers: Samplers, shaper: StepShaper) -> None:
+        self._model = model
+        self._samplers = samplers
+        self.shaper = shaper
+        self.ours = False  # whether butter's projection gave the last decode's logits
+        self.redone_steps = 0  # steps evaluated again because llama.cpp split them
+        self._decode_seconds = 0.0  # llama_decode time of the current step
+
+    def run(self, works: list[SeqWork]) -> list[Sampled]:
+        """Evaluate the works in the shape the shaper chooses; their sampled tokens."""
+        if not works:
+            return []
+        decode_only = not any(work.prompt for work in works)
+        outputs = sum(1 for work in works if work.sample)
+        shape = self.shaper.choose(outputs, decode_only=decode_only)
+        self._decode_seconds = 0.0
+        if shape is Shape.SPLIT:
+            sampled = [s for work in works for s in self.decode([work], outputs=0)]
+        else:
+            wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
+            sampled = self.decode(works, outputs=wanted)
+        if decode_only:  # the decodes only: sampling costs the same in every shape
+            self.shaper.observe(outputs, shape, self._decode_seconds)
+        return sampled
+
+    def decode(self, works: list[SeqWork], *, outputs: int) -> list[Sampled]:
+        """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
+        model = self._model
+        sample_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
+        head = model.lm_head
+        status, verdict = self._evaluate(head is not None and n_outputs <= head.rows, n_outputs)
+        if status == 0 and verdict is Verdict.NEITHER:
+            # llama.cpp split the step into micro-batches: butter's logits may be out of
+            # order and llama.cpp's incomplete. Rare (a fragmented sliding-window cache);
+            # evaluate the step again with llama.cpp's own projection.
+            self._rewind_batch(works)
+            self.redone_steps += 1
+            status, verdict = self._evaluate(False, n_outputs)
+        self.ours = verdict is Verdict.OURS
+        if padded:
+            ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)
+        if status != 0:
+            raise BackendError(f"llama_decode failed with status {status}")
+        return self._samplers.sample_rows(sample_rows, ours=self.ours)
+
+    def _evaluate(self, armed: bool, n_outputs: int) -> tuple[int, Verdict]:
+        """llama_decode of the filled batch, butter's projection armed or not."""
+        model = self._model
+        head = model.lm_head
+        if head is not None:
+            head.arm(armed)
+        started = time.perf_counter()
+        status = int(ll.llama_decode(model.ctx, model.batch))
+        ll.llama_synchronize(model.ctx)  # GPU builds return before the work is done
+        self._decode_seconds += time.perf_counter() - started
+        if head is None:
+            return status, Verdict.LLAMA
+        verdict = head.verdict(n_outputs)
+        head.arm(False)
+        return status, verdict
+
+    def _rewind_batch(self, works: list[SeqWork]) -> None:
+        """Forget what the last llama_decode of these works wrote into the cache."""
+        model = self._model
+        for work in works:
+            ll.llama_memory_seq_rm(model.mem, work.seq, work.start, -1)
+        ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)
+
+    def _fill_batch(
+        self, works: list[SeqWork], *, outputs: int = 0,
+    ) -> tuple[list[SampleRow], int, bool]:
+        """Write the works into the batch.
+
+        Returns the rows to sample, the number of rows with logits, and whether scratch
+        rows were added.
+
+        `outputs`: request logits on at least this many rows (see butter.backends.shaping),
+        first on rows that need none, then on scratch rows."""
+        model = self._model
+        rows = sum(len(work.tokens) for work in works)
+        if rows > model.n_batch:
+            raise BackendError(f"a step of {rows} tokens exceeds the batch size {model.n_batch}")
+        prompt_padding = 0
+        if any(work.prompt for work in works) and rows < MIN_PROMPT_ROWS:
+            prompt_padding = MIN_PROMPT_ROWS - rows
+        sampled = sum(1 for work in works if work.sample)
+        spare_outputs = max(0, outputs - sampled)
+        padding = max(prompt_padding, spare_outputs - (rows - sampled))
+        if rows + padding > model.n_batch:  # no room to shape: evaluate as it is
+            padding, spare_outputs = prompt_padding, 0
+        if padding:
+            works = [*works, SeqWork(model.pad_seq, (0,) * padding, 0, sample=False)]
+        batch = model.batch
+        token, pos, n_seq_id = batch.token, batch.pos, batch.n_seq_id
+        seq_id, logits = batch.seq_id, batch.logits
+        row = n_outputs = 0
+        sample_rows: list[SampleRow] = []
+        for work in works:
+            last = len(work.tokens) - 1
+            for offset, tok in enumerate(work.tokens):
+                token[row] = tok
+                pos[row] = work.start + offset
+                n_seq_id[row] = 1
+                seq_id[row][0] = work.seq
+                wants = work.sample and offset == last
+                output = wants or spare_outputs > 0
+                logits[row] = output
+                if wants:
+                    sample_rows.append((work.seq, row, n_outputs))
+                elif spare_outputs > 0:
+                    spare_outputs -= 1
+                n_outputs += output
+                row += 1
+        batch.n_tokens = row
+        return sample_rows, n_outputs, padding > 0
+
+    def step_logits(self, row: int) -> Any:
+        """A copy of the logits batch row `row` of the last decode was sampled from."""
+        model = self._model
+        if self.ours and model.lm_head is not None:
+            ordinal = sum(bool(model.batch.logits[earlier]) for earlier in range(row))
+            return model.lm_head.row(ordinal).copy()
+        return model.llama_logits(row).copy()

@@ -1,0 +1,131 @@
+"""The MLX backend: a checkpoint loaded through mlx-lm (loading.py), the sessions' caches
+and forward passes (stepping.py), sampling (sampling.py) and grammars (grammars.py), all
+evaluated on the backend's own thread (butter/backends/worker.py): mlx ties unevaluated
+arrays to the thread that built them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from butter.backends.base import (
+    BackendError,
+    CopyPrefix,
+    KvOp,
+    RemoveTokens,
+    Sampled,
+    SeqWork,
+    SetSampler,
+    ShiftPositions,
+    apply_kv_ops,
+)
+from butter.backends.mlx.grammars import LlguidanceGrammars
+from butter.backends.mlx.loading import MlxModel
+from butter.backends.mlx.sampling import Samplers
+from butter.backends.mlx.stepping import SessionCaches
+from butter.backends.worker import BackendWorker
+from butter.kv import KvCacheType
+from butter.sampling import SamplingParams
+
+
+class MlxBackend:
+    def __init__(self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int,
+                 kv_type: KvCacheType | None = None) -> None:
+        """`n_cells` may be a function of the trained context (known only from the config)."""
+        self.model = MlxModel(path, n_cells=n_cells, kv_type=kv_type)
+        self.info = self.model.info
+        self.kv_type = self.model.kv_type
+        self.n_cells = self.model.n_cells
+        self.n_seq = n_seq
+        self.can_shift = False
+        self.rewind_limit = self.model.rewind_limit
+        self.caches = SessionCaches(self.model)
+        self.grammars = LlguidanceGrammars(self.model)
+        self.samplers = Samplers(self.model, self.grammars)
+        with contextlib.suppress(ImportError):  # built here, not in the first request
+            self.grammars.tokenizer()
+        self._worker = BackendWorker("butter-mlx", free=self._free)
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return self.model.kv_bytes_per_token
+
+    @property
+    def decode_batch(self) -> tuple[int, ...]:
+        """The sessions whose decodes share one forward pass now."""
+        return self.caches.decode_batch
+
+    def diagnostics(self) -> dict[str, Any]:
+        return {
+            "step_shapes": None,
+            "lm_head": None,
+            "decode_batch": list(self.decode_batch),  # sessions sharing a forward pass
+        }
+
+    def cached_bytes(self, seq: int) -> int:
+        """Bytes of KV state the session holds (its row of the batch, if batched)."""
+        return self._worker.run(self.caches.cached_bytes, seq)  # mlx work stays on its thread
+
+    # ------------------------------------------------------------------ text and checks
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        with self._worker.using():
+            return self.model.tokenize(text, add_bos=add_bos)
+
+    def check_sampling(self, params: SamplingParams) -> None:
+        """Refuse (ValueError) what this backend cannot honour, before admission."""
+        with self._worker.using():
+            if params.grammar is not None:
+                self.grammars.check(params.grammar)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        return self.submit_step(ops, works).result()
+
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+        """`step` on the mlx thread; the engine awaits the future."""
+        return self._worker.submit(self._step, ops, works)
+
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+        try:
+            apply_kv_ops(self, ops)
+            logits = self.caches.logits(works)
+            sampled = [self.samplers.sample(work.seq, logits[work.seq])
+                       for work in works if work.sample]
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to report
+                self._settle()
+            raise
+        self._settle()
+        return sampled
+
+    def _settle(self) -> None:
+        """Evaluate every lazy array the step left behind (merged, filtered or copied caches,
+        sampler keys), so that no graph grows from step to step."""
+        self.model.mx.eval(self.caches.states(), self.samplers.keys())
+
+    def remove_tokens(self, op: RemoveTokens) -> None:
+        self.caches.remove(op.seq, op.start, op.end)
+
+    def copy_prefix(self, op: CopyPrefix) -> None:
+        self.caches.copy_prefix(op.src, op.dst, op.length)
+
+    def shift_positions(self, op: ShiftPositions) -> None:
+        raise BackendError("MLX caches cannot shift positions")
+
+    def set_sampler(self, op: SetSampler) -> None:
+        self.samplers.set(op.seq, op.params)
+
+    # ------------------------------------------------------------------ teardown
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _free(self) -> None:
+        self.caches.clear()
+        self.samplers.clear()
+        self.model.free()

@@ -1,0 +1,55 @@
+"""What one generation asks for and what it reports, whatever API it came through (pure).
+
+Each wire format in butter/protocol turns its request into a GenerationRequest; the
+pipeline (butter/pipeline) runs it and reports a FinishReason and Usage, which each wire
+format encodes in its own words. The pipeline never sees a wire type.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from butter.sampling import SamplingParams
+
+
+@attrs.frozen
+class ChatPrompt:
+    """Messages for the model's chat template, in the shape templates expect (text
+    content, tool-call arguments as objects)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None  # offered to the template; None: none offered
+    template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class TextPrompt:
+    """Raw text, completed as it is: no chat template."""
+
+    text: str
+
+
+Prompt = ChatPrompt | TextPrompt
+
+
+@attrs.frozen
+class GenerationRequest:
+    prompt: Prompt
+    sampling: SamplingParams  # with the output constraint (tool_choice, response_format)
+    max_tokens: int | None = None  # None: as many as the context holds
+    stop: tuple[str, ...] = ()
+    # The tools whose calls are recovered from `<tool_call>` markup: name -> parameters.
+    tool_schemas: dict[str, dict[str, Any] | None] = attrs.field(factory=dict)
+
+
+# Why a generation ended, in OpenAI's words (the Messages API maps them to its own).
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens whose KV came from the cache (a prefix reused)

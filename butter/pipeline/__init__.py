@@ -1,0 +1,11 @@
+"""The generation pipeline, the same for every API and for the library:
+
+    GenerationRequest (butter/chat/request.py, built by butter/protocol)
+      -> prepare: chat template, tokens, context fit          (prepare.py)
+      -> run: admission and the engine, always released       (run.py)
+      -> output: pieces -> text, reasoning and tool-call events (output.py)
+      -> finish reason and usage                              (run.py)
+
+The resident model (backend + engine + template) is in resident.py; a loaded model with
+its engine task running, which the library and the server both hold, in loaded.py.
+"""

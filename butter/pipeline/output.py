@@ -1,0 +1,92 @@
+"""Generated token pieces -> events (text, reasoning, tool calls), and events -> blocks."""
+
+from __future__ import annotations
+
+import uuid
+
+import attrs
+
+from butter.chat.detokenize import IncrementalDetokenizer
+from butter.chat.markup import ContentDelta, Event, MarkupParser, ReasoningDelta, ToolCall
+from butter.chat.stops import StopMatcher
+from butter.pipeline.prepare import PreparedGeneration
+
+
+class OutputAssembler:
+    """Token pieces -> events: UTF-8 safe, stop strings cut, think blocks and tool calls
+    recovered, never a partial tag or stop string emitted."""
+
+    def __init__(self, prepared: PreparedGeneration, *, call_id_prefix: str = "call_") -> None:
+        self._detokenizer = IncrementalDetokenizer()
+        self._stops = StopMatcher(prepared.request.stop)
+        self._markup = MarkupParser(
+            prepared.request.tool_schemas, start_in_reasoning=prepared.starts_in_reasoning,
+            new_call_id=lambda _: f"{call_id_prefix}{uuid.uuid4().hex[:24]}",
+        )
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.matched is not None
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stops.matched
+
+    @property
+    def tool_calls(self) -> int:
+        return self._markup.tool_calls
+
+    def feed(self, pieces: list[bytes]) -> list[Event]:
+        return self._markup.feed(self._stops.feed(self._detokenizer.feed(b"".join(pieces))))
+
+    def finish(self) -> list[Event]:
+        tail = self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        return self._markup.feed(tail) + self._markup.finish()
+
+
+@attrs.frozen
+class TextBlock:
+    text: str
+
+
+@attrs.frozen
+class ReasoningBlock:
+    text: str
+
+
+Block = TextBlock | ReasoningBlock | ToolCall
+
+
+class OutputBlocks:
+    """Events -> the answer's blocks in order, consecutive text (or reasoning) merged: the
+    one place a whole answer is put together, for every non-streamed encoder."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Block] = []
+
+    def add(self, event: Event) -> None:
+        last = self.blocks[-1] if self.blocks else None
+        if isinstance(event, ContentDelta):
+            if isinstance(last, TextBlock):
+                self.blocks[-1] = TextBlock(last.text + event.text)
+            else:
+                self.blocks.append(TextBlock(event.text))
+        elif isinstance(event, ReasoningDelta):
+            if isinstance(last, ReasoningBlock):
+                self.blocks[-1] = ReasoningBlock(last.text + event.text)
+            else:
+                self.blocks.append(ReasoningBlock(event.text))
+        else:
+            self.blocks.append(event)
+
+    @property
+    def text(self) -> str:
+        return "".join(block.text for block in self.blocks if isinstance(block, TextBlock))
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(block.text for block in self.blocks if isinstance(block, ReasoningBlock))
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [block for block in self.blocks if isinstance(block, ToolCall)]

@@ -1,0 +1,81 @@
+"""Request -> prompt tokens, fitted to the context and checked against the backend.
+
+Blocking work (template rendering, tokenizing, compiling a grammar): the server calls it
+on a worker thread, so long prompts and big tool schemas never stall other streams.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from butter.backends.base import BackendError
+from butter.chat.markup import THINK_OPEN
+from butter.chat.request import ChatPrompt, GenerationRequest
+from butter.errors import ContextLengthExceeded, InvalidRequest, ModelReplaced
+from butter.pipeline.resident import ResidentModel
+from butter.sampling import SamplingParams
+
+
+@attrs.frozen
+class PreparedGeneration:
+    request: GenerationRequest
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int | None  # the request's, clamped to what the context still holds
+    starts_in_reasoning: bool  # the template opened a <think> block in the prompt
+
+
+def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
+    """Render (chat) or take (text) the prompt, tokenize, fit, check the sampling."""
+    try:
+        if isinstance(request.prompt, ChatPrompt):
+            text = render(resident, request.prompt)
+            return prepare_tokens(resident, request, resident.tokenize_prompt(text),
+                                  starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+        return prepare_tokens(resident, request, resident.tokenize_prompt(request.prompt.text))
+    except BackendError as exc:  # a swap unloaded this model while the request was prepared
+        raise ModelReplaced(str(exc)) from None
+
+
+def render(resident: ResidentModel, prompt: ChatPrompt) -> str:
+    return resident.template.render(
+        prompt.messages, tools=prompt.tools,
+        template_kwargs={**resident.template_defaults, **prompt.template_kwargs},
+    )
+
+
+def prepare_tokens(
+    resident: ResidentModel, request: GenerationRequest, prompt: list[int],
+    *, starts_in_reasoning: bool = False,
+) -> PreparedGeneration:
+    max_tokens = fit_completion(len(prompt), request.max_tokens, resident.max_context,
+                                strict=resident.strict_max_tokens)
+    try:
+        resident.backend.check_sampling(request.sampling)
+    except ValueError as exc:
+        raise InvalidRequest(f"cannot serve this request: {exc}") from None
+    return PreparedGeneration(request=request, prompt=prompt, params=request.sampling,
+                              max_tokens=max_tokens, starts_in_reasoning=starts_in_reasoning)
+
+
+def fit_completion(
+    prompt_tokens: int, max_tokens: int | None, max_context: int, *, strict: bool
+) -> int | None:
+    """The completion budget: `max_tokens`, or what the context still holds if that is
+    less (unless `strict`). Only a prompt that leaves no room for one token is refused.
+
+    Clamping follows llama-server: clients such as Claude Code ask for a fixed 32000
+    tokens whatever the model's context, and the answer simply ends with `length`."""
+    room = max_context - prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"the prompt has {prompt_tokens} tokens, which leaves no room for a completion "
+            f"in the maximum context of {max_context} tokens", param="messages")
+    if max_tokens is None or max_tokens <= room:
+        return max_tokens
+    if strict:
+        raise ContextLengthExceeded(
+            f"this request needs {prompt_tokens} prompt tokens + {max_tokens} completion "
+            f"tokens = {prompt_tokens + max_tokens}, but the maximum context is "
+            f"{max_context} tokens (--strict-max-tokens)", param="max_tokens")
+    return room

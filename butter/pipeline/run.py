@@ -1,0 +1,104 @@
+"""Running a prepared generation on the resident engine: admission, events, outcome."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from butter.chat.markup import Event
+from butter.chat.request import FinishReason, Usage
+from butter.engine.engine import EngineStopped, Generation
+from butter.errors import ButterError, ModelReplaced
+from butter.pipeline.output import OutputAssembler
+from butter.pipeline.prepare import PreparedGeneration
+from butter.pipeline.resident import ResidentModel
+
+
+class GenerationFailed(ButterError):
+    status = 500
+
+
+@attrs.define
+class RequestObserver:
+    """Timing of one request, for metrics and its log line (the server makes one)."""
+
+    route: str
+    on_finish: Callable[[RequestObserver, Generation | None, bool], None]
+    started: float = attrs.field(factory=time.perf_counter)
+    first_output: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_output is None else self.first_output - self.started
+
+    def output(self) -> None:
+        if self.first_output is None:
+            self.first_output = time.perf_counter()
+
+
+@asynccontextmanager
+async def running(
+    resident: ResidentModel, prepared: PreparedGeneration,
+    observer: RequestObserver | None = None,
+) -> AsyncIterator[Generation]:
+    """The request's generation on the resident engine, admitted and always released."""
+    generation: Generation | None = None
+    cancelled = False
+    try:
+        async with resident.engine.generate(
+            prepared.prompt, prepared.params, prepared.max_tokens
+        ) as generation:
+            yield generation
+    except EngineStopped as exc:
+        raise ModelReplaced(str(exc)) from None
+    except trio.Cancelled:
+        cancelled = True
+        raise
+    finally:
+        if observer is not None:
+            observer.on_finish(observer, generation, cancelled)
+
+
+async def generated_events(
+    generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None,
+    observer: RequestObserver | None = None,
+) -> AsyncIterator[Event | None]:
+    """Parsed output events; None for a heartbeat (no output for `heartbeat` seconds)."""
+    async for pieces in generation.pieces(heartbeat=heartbeat):
+        if not pieces:
+            yield None
+            continue
+        for event in assembler.feed(pieces):
+            if observer is not None:
+                observer.output()
+            yield event
+        if assembler.stopped:
+            generation.close()  # the engine drops it before the next step
+            break
+    for event in assembler.finish():
+        yield event
+
+
+def finish_reason(generation: Generation, assembler: OutputAssembler) -> FinishReason:
+    """Why the answer ended; raises if it ended by an error or an unload."""
+    if generation.finish_reason == "aborted":
+        raise ModelReplaced(generation.error or "the model was unloaded")
+    if generation.finish_reason == "error":
+        raise GenerationFailed(generation.error or "generation failed")
+    if assembler.tool_calls:
+        return "tool_calls"
+    if assembler.stopped:
+        return "stop"
+    return "length" if generation.finish_reason == "length" else "stop"
+
+
+def usage(generation: Generation) -> Usage:
+    return Usage(
+        prompt_tokens=generation.prompt_tokens,
+        completion_tokens=generation.completion_tokens,
+        cached_tokens=generation.cached_tokens,
+    )
