@@ -85,6 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default %(default)s)")
     serve.add_argument("--max-messages", type=_positive, default=defaults.DEFAULT_MAX_MESSAGES,
                        help="messages allowed in one request (default %(default)s)")
+    serve.add_argument("--write-timeout", type=float,
+                       default=defaults.DEFAULT_WRITE_TIMEOUT_SECONDS,
+                       help="seconds a response may wait for a client that reads nothing; then "
+                            "its connection is closed and its request cancelled; slow readers "
+                            "are not cut (0 = never; default %(default)s)")
+    serve.add_argument("--max-connections", type=_positive,
+                       default=defaults.default_max_connections(),
+                       help="open connections allowed; past it new ones get 503 at once "
+                            "(default: the open-file limit less "
+                            f"{defaults.FD_RESERVE}, at most {defaults.MAX_CONNECTIONS_CAP}: "
+                            "%(default)s)")
     serve.add_argument("--shutdown-grace", type=float,
                        default=defaults.DEFAULT_SHUTDOWN_GRACE_SECONDS,
                        help="seconds active requests get to finish on SIGINT/SIGTERM")
@@ -131,6 +142,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
         body_timeout=args.body_timeout,
+        write_timeout=max(0.0, args.write_timeout), max_connections=args.max_connections,
         enable_thinking=args.enable_thinking, reasoning_effort=args.reasoning_effort,
         models_dir=args.models_dir, allow_swap=args.allow_swap, kv_cache=args.kv_cache,
         aura_decode_path=args.aura_decode_path, kv_window_size=args.kv_window_size,
@@ -170,6 +182,7 @@ async def serve_command(settings: ServeSettings) -> None:
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         stream_flush=settings.stream_flush, max_messages=settings.max_messages,
         api_key=settings.api_key, body_timeout=settings.body_timeout,
+        write_timeout=settings.write_timeout, max_connections=settings.max_connections,
     )
     try:
         async with trio.open_nursery() as nursery:
@@ -194,7 +207,7 @@ async def _serve_then_stop_helpers(
 async def _exit_if_shutdown_hangs(server: ServeServer) -> None:
     """Last resort: hypercorn shields socket writes, so a client that stopped reading
     can hold a connection past the grace period. Exit anyway, a little later."""
-    await server.shutdown_requested.wait()
+    await server.shutdown_started.wait()  # a drain counts: it spends the same grace
     await trio.sleep(server.shutdown_grace + HARD_EXIT_MARGIN_SECONDS)
     log.error("connections still open %.0fs after shutdown began: exiting",
               server.shutdown_grace + HARD_EXIT_MARGIN_SECONDS)

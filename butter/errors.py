@@ -96,5 +96,24 @@ class ModelReplaced(ButterError):
     code = "model_replaced"
 
 
+class Draining(ButterError):
+    """The server is shutting down: it finishes the requests it has and takes no new ones.
+
+    503 on both APIs (not Anthropic's 529): routers such as vllm-router retry a 503 on
+    another replica, and both SDKs retry it too, after `Retry-After`."""
+
+    status = 503
+    openai_type = "server_error"
+    anthropic_type = "overloaded_error"
+    code = "server_draining"
+
+    def __init__(self, message: str, *, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after)}
+
+
 class ModelLoadError(Exception):
     """A checkpoint could not be resolved or loaded; the message is one readable line."""

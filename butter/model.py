@@ -22,7 +22,7 @@ import trio
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason, TextPrompt, Usage
 from butter.pipeline.loaded import LoadedModel
-from butter.pipeline.output import OutputAssembler
+from butter.pipeline.output import LogprobsDelta, OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration, prepare
 from butter.pipeline.run import finish_reason, generated_events, running, usage
 from butter.protocol import openai
@@ -92,7 +92,7 @@ class Model(LoadedModel):
         assembler = OutputAssembler(prepared)
         async with running(self.resident, prepared) as generation:
             async for event in generated_events(generation, assembler):
-                if event is not None:
+                if event is not None and not isinstance(event, LogprobsDelta):
                     yield Piece.of(event)
         yield Piece(finish_reason=finish_reason(generation, assembler),
                     usage=usage(generation))

@@ -77,6 +77,12 @@ class SamplingParams:
     penalty_last_n: int = DEFAULT_PENALTY_LAST_N
     # What the output must follow (a forced tool call, JSON); each backend compiles it.
     grammar: OutputConstraint | None = None
+    # Added to the logits before everything else (llama-server's place for it): token id
+    # -> bias; -inf bans the token (OpenAI's -100 means that).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Report each sampled token's log-probability and this many most likely alternatives
+    # (0: the token's alone); None: not asked, and nothing is computed.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

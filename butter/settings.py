@@ -32,8 +32,32 @@ DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 DEFAULT_KEEP_ALIVE_SECONDS = 5.0
 API_KEY_ENV = "BUTTER_API_KEY"
 RETRY_AFTER_SECONDS = 1
+# /ready answers 503 once a single engine step has run this long: the engine is stuck (a
+# native hang), not slow; a prefill chunk of a large model on a few cores takes seconds.
+ENGINE_STALL_SECONDS = 60.0
 # On SIGINT/SIGTERM, active requests get this long to finish before they are cancelled.
 DEFAULT_SHUTDOWN_GRACE_SECONDS = 10.0
+# A response whose client has read nothing for this long is abandoned: the connection is
+# closed and the request cancelled. Progress-based: slow readers and long streams go on.
+DEFAULT_WRITE_TIMEOUT_SECONDS = 30.0
+# File descriptors kept free when --max-connections is sized from the open-file limit
+# (each connection holds one): the model files, logs, pipes, listening sockets, and
+# refused connections while their 503 is delivered.
+FD_RESERVE = 128
+# ... and at most this many by default: each idle connection still costs a task and buffers.
+MAX_CONNECTIONS_CAP = 4096
+
+
+def default_max_connections() -> int:
+    """The open-file limit less FD_RESERVE, at most MAX_CONNECTIONS_CAP."""
+    try:
+        import resource
+    except ImportError:  # no resource module (Windows): the cap's guess
+        return MAX_CONNECTIONS_CAP
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS_CAP
+    return max(1, min(MAX_CONNECTIONS_CAP, soft - FD_RESERVE))
 
 
 def usable_cores() -> int:
@@ -67,6 +91,8 @@ class ServeSettings:
     api_key: str | None = None
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS  # 0: never abandon a response
+    max_connections: int = attrs.field(factory=default_max_connections)
     kv_cache: str = "raw"
     aura_decode_path: str | None = None
     kv_window_size: int | None = None

@@ -73,20 +73,30 @@ def test_the_grammar_module_builds_neutral_values() -> None:
 
 
 def test_each_distinct_constraint_compiles_once() -> None:
-    from butter.backends.constraints import CompiledConstraints
-    from butter.backends.llama_cpp.grammars import constraint_gbnf
+    from llguidance import LLMatcher
+
+    from butter.backends.constraints import (
+        CompiledConstraints,
+        constraint_grammar,
+        schema_problem,
+    )
 
     compiled: list[OutputConstraint] = []
 
     def compile(constraint: OutputConstraint) -> str:
         compiled.append(constraint)
-        return constraint_gbnf(constraint)
+        grammar = constraint_grammar(constraint)
+        problem = LLMatcher.validate_grammar(grammar)
+        if problem:
+            raise ValueError(f"cannot turn this JSON schema into a grammar: "
+                             f"{schema_problem(problem)}")
+        return grammar
 
     cache = CompiledConstraints(compile, size=2)
     call, age, anything = tool_call_grammar([NOOP]), json_schema_grammar(AGE), \
         json_object_grammar()
     first = cache.get(call)
-    assert first.startswith('root ::= "<tool_call>" "\\n" call "\\n" "</tool_call>"')
+    assert first.startswith('start: "<tool_call>" "\\n" call "\\n" "</tool_call>"')
     assert cache.get(tool_call_grammar([NOOP])) is first  # an equal value, built anew
     cache.get(age)
     cache.get(call)

@@ -115,9 +115,12 @@ def test_tool_choice_none_offers_no_tools(client: openai.OpenAI) -> None:
 
 
 def test_json_schema_response_format(client: openai.OpenAI) -> None:
-    schema = {"type": "object", "properties": {"name": {"type": "string"},
-                                               "age": {"type": "integer"}},
-              "required": ["name", "age"]}
+    # The grammar follows the schema as written: without additionalProperties false other
+    # keys would be valid too, and without bounds so would be an integer of any length
+    # (which a 270M model at this seed writes until max_tokens).
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
     result = client.chat.completions.create(
         model="gemma-3-270m", messages=[{"role": "user", "content": "Describe a person."}],
         response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},

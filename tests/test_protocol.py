@@ -59,7 +59,12 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
         ({"messages": [USER], "temperature": -1}, "temperature"),
         ({"messages": [USER], "top_p": 1.5}, "top_p"),
         ({"messages": [USER], "seed": -3}, "seed"),
-        ({"messages": [USER], "n": 2}, "n"),
+        ({"messages": [USER], "n": 17}, "n"),
+        ({"messages": [USER], "n": 0}, "n"),
+        ({"messages": [USER], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [USER], "top_logprobs": 2}, "top_logprobs"),
+        ({"messages": [USER], "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"messages": [USER], "logit_bias": {"5": -101}}, "logit_bias"),
         ({"messages": [USER], "stop": 5}, "stop"),
         ({"messages": [USER], "stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -128,3 +133,16 @@ def test_overloaded_carries_retry_after() -> None:
 
 def test_sampling_params_random_seed_differs() -> None:
     assert len({SamplingParams().seed for _ in range(5)}) > 1
+
+
+def test_logit_bias_minus_100_bans_and_developer_is_system() -> None:
+    request = openai.parse_chat_request({
+        "messages": [{"role": "developer", "content": "Be brief."}, USER],
+        "logit_bias": {"5": -100, "7": 2.5}, "logprobs": True, "top_logprobs": 3, "n": 2})
+    generation = openai.generation_request(request)
+    assert generation.sampling.logit_bias == ((5, float("-inf")), (7, 2.5))
+    assert generation.sampling.logprobs == 3 and generation.n == 2
+    assert openai.template_messages(request)[0]["role"] == "system"
+    # Not asked: nothing to compute.
+    assert openai.generation_request(openai.parse_chat_request(
+        {"messages": [USER]})).sampling.logprobs is None

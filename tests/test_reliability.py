@@ -233,19 +233,24 @@ def test_shutdown_under_load_loses_no_completed_response(tiny_gguf: Path) -> Non
 
 
 def test_short_soak(tiny_gguf: Path, tmp_path: Path) -> None:
-    """The soak script's CI-sized run: 8 seconds of mixed traffic, no 5xx, nothing leaked."""
+    """The soak script's CI-sized run: 8 seconds of mixed traffic (with clients that never
+    read, swaps and bad bodies), no 5xx, descriptors, threads, RSS and sessions back to
+    their baseline."""
     import subprocess
     import sys
 
     script = Path(__file__).parent.parent / "benchmarks" / "soak.py"
     out = tmp_path / "soak.json"
     result = subprocess.run([sys.executable, str(script), "--model", str(tiny_gguf),
-                             "--seconds", "8", "--concurrency", "4", "--json", str(out)],
-                            capture_output=True, text=True, timeout=120)
+                             "--seconds", "8", "--concurrency", "4", "--json", str(out),
+                             "--write-timeout", "2", "--non-reader-every", "3",
+                             "--swap-every", "5"],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["requests"] > 20
     assert all(int(status) < 500 for status in report["statuses"])
+    assert report["non_readers"]["sent"] >= 2 and report["non_readers"]["still_open"] == 0
 
 
 async def test_slow_senders_are_cut_off(tiny_gguf: Path) -> None:

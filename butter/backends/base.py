@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from butter.chat.request import Logprobs
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
 
@@ -25,6 +26,8 @@ class ModelInfo:
     add_bos: bool
     is_recurrent: bool
     size_bytes: int
+    # Fill-in-the-middle tokens (prefix, suffix, middle), where the vocabulary has them.
+    fim_tokens: tuple[int, int, int] | None = None
 
 
 @attrs.frozen
@@ -98,6 +101,11 @@ class SeqWork:
     start: int
     sample: bool  # sample a token from the logits of the last one
     prompt: bool = False  # prompt tokens (prefill), as opposed to one decoded token
+    # Score these prompt tokens: the logprobs of each token after the first, and of
+    # `next_token` (the prompt's token after this chunk, None at its end), with this many
+    # alternatives each (Scored); None: no scoring.
+    score: int | None = None
+    next_token: int | None = None
 
 
 @attrs.frozen
@@ -107,6 +115,19 @@ class Sampled:
     piece: bytes
     end_of_generation: bool
     error: str | None = None  # this sequence alone failed (e.g. its grammar): end it
+    logprobs: Logprobs | None = None  # when the request asked for them
+
+
+@attrs.frozen
+class Scored:
+    """A scored prompt chunk: the logprobs of its tokens after the first, then of the
+    next chunk's first token (see SeqWork.score)."""
+
+    seq: int
+    logprobs: tuple[Logprobs, ...]
+
+
+StepResult = Sampled | Scored
 
 
 class BackendError(Exception):
@@ -134,9 +155,9 @@ class Backend(Protocol):
         such as an output constraint its grammar engine cannot follow; compiles it once."""
         ...
 
-    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]: ...
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]: ...
 
-    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[StepResult]]:
         """`step`, started on the backend's own thread (every evaluation runs there).
 
         The engine waits for this future directly: one thread hand-off each way instead

@@ -1,10 +1,10 @@
 """What forced tool calls and JSON output must look like, as a neutral constraint (pure).
 
 This module only chooses the JSON schema and whether the output is that JSON alone or one
-call wrapped in the `<tool_call>` markup that the markup parser recovers. Each backend
-compiles the constraint into its own grammar engine's form (llama.cpp: GBNF through
-llama-cpp-python's JSON-schema converter; MLX: llguidance, which reads JSON schemas
-itself), and says through `check_sampling` (ValueError) when a schema cannot be followed.
+call wrapped in the `<tool_call>` markup that the markup parser recovers. The backends
+compile the constraint with llguidance, which follows the whole JSON schema
+(butter/backends/constraints.py), and say through `check_sampling` (ValueError, naming the
+keyword) when a schema cannot be followed exactly: never approximated.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
-        # Said outright: llama.cpp's converter forbids other keys by default, llguidance
-        # (following the JSON-schema spec) would allow them.
+        # The call object itself has no other keys (the JSON-schema default would allow
+        # them); `arguments` is exactly the tool's parameters schema.
         "additionalProperties": False,
     }
 

@@ -26,12 +26,21 @@ class ChatPrompt:
 
 @attrs.frozen
 class TextPrompt:
-    """Raw text, completed as it is: no chat template."""
+    """Raw text, completed as it is: no chat template. With `suffix`, the text before a
+    gap and the text after it: the model fills the gap (fill-in-the-middle)."""
 
     text: str
+    suffix: str | None = None
 
 
-Prompt = ChatPrompt | TextPrompt
+@attrs.frozen
+class TokenPrompt:
+    """Token ids, completed as they are."""
+
+    tokens: tuple[int, ...]
+
+
+Prompt = ChatPrompt | TextPrompt | TokenPrompt
 
 
 @attrs.frozen
@@ -42,6 +51,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     # The tools whose calls are recovered from `<tool_call>` markup: name -> parameters.
     tool_schemas: dict[str, dict[str, Any] | None] = attrs.field(factory=dict)
+    n: int = 1  # choices, each with its own seed stream, sharing the prompt's KV
+    # Score the prompt: each token's logprob (after the first) with this many alternatives;
+    # max_tokens may then be 0. None: not asked.
+    score_prompt: int | None = None
 
 
 # Why a generation ended, in OpenAI's words (the Messages API maps them to its own).
@@ -53,3 +66,20 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # prompt tokens whose KV came from the cache (a prefix reused)
+
+
+@attrs.frozen
+class TokenLogprob:
+    token: int
+    piece: bytes
+    logprob: float
+
+
+@attrs.frozen
+class Logprobs:
+    """A sampled token's log-probability under the model's own distribution (the raw
+    logits' softmax: before penalties, bias, filters and temperature, as llama-server and
+    vLLM report it), and the most likely tokens of that distribution."""
+
+    chosen: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()

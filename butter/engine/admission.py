@@ -27,9 +27,10 @@ class Ticket:
 
 @attrs.define(eq=False)
 class _Waiter:
-    cells: int
+    cells: int  # per ticket
+    count: int = 1  # tickets granted together (a request's `n` choices)
     granted: trio.Event = attrs.field(factory=trio.Event)
-    ticket: Ticket | None = None
+    tickets: list[Ticket] = attrs.field(factory=list)
     refused: Exception | None = None
 
 
@@ -80,14 +81,23 @@ class Admission:
 
     async def acquire(self, cells: int) -> Ticket:
         """Wait (FIFO) for a slot and `cells` KV cells. Leaving the wait leaves the queue."""
-        if cells > self.total_cells:
+        (ticket,) = await self.acquire_many(cells, 1)
+        return ticket
+
+    async def acquire_many(self, cells: int, count: int) -> list[Ticket]:
+        """`count` slots with `cells` each, granted together: taken one by one, two requests
+        could each hold some and wait for the other's forever."""
+        if count > self.slots:
             raise ContextLengthExceeded(
-                f"this request needs {cells} KV cells but the pool has {self.total_cells}"
-            )
+                f"this request needs {count} sessions but the server has {self.slots}")
+        if cells * count > self.total_cells:
+            raise ContextLengthExceeded(
+                f"this request needs {cells * count} KV cells but the pool has "
+                f"{self.total_cells}")
         if self._closed is not None:
             raise self._closed
-        waiter = _Waiter(cells)
-        if not self._queue and self._fits(cells):
+        waiter = _Waiter(cells, count)
+        if not self._queue and self._fits_waiter(waiter):
             return self._grant(waiter)
         if len(self._queue) >= self.max_queue:
             raise self._overloaded()
@@ -95,16 +105,16 @@ class Admission:
         try:
             await waiter.granted.wait()
         except BaseException:
-            if waiter.ticket is not None:
-                self.release(waiter.ticket)  # granted, but the caller is gone
+            if waiter.tickets:
+                for ticket in waiter.tickets:
+                    self.release(ticket)  # granted, but the caller is gone
             else:
                 self._queue.remove(waiter)
                 self._grant_waiting()  # the head may have changed
             raise
         if waiter.refused is not None:
             raise waiter.refused
-        assert waiter.ticket is not None
-        return waiter.ticket
+        return waiter.tickets
 
     def release(self, ticket: Ticket) -> None:
         """Idempotent, synchronous: safe in any `finally`, even while cancelled."""
@@ -117,25 +127,26 @@ class Admission:
 
     def try_extend(self, ticket: Ticket, cells: int) -> bool:
         """Grow a live reservation if nobody waits and the cells are free (never blocks)."""
-        if ticket.released or self._queue or not self._fits(cells, new_slot=False):
+        if ticket.released or self._queue or self._reserved + cells > self.total_cells:
             return False
         ticket.cells += cells
         self._reserved += cells
         return True
 
-    def _fits(self, cells: int, *, new_slot: bool = True) -> bool:
-        slot_free = len(self._active) < self.slots or not new_slot
-        return slot_free and self._reserved + cells <= self.total_cells
+    def _fits_waiter(self, waiter: _Waiter) -> bool:
+        slots_free = len(self._active) + waiter.count <= self.slots
+        return slots_free and self._reserved + waiter.cells * waiter.count <= self.total_cells
 
-    def _grant(self, waiter: _Waiter) -> Ticket:
-        ticket = Ticket(number=next(self._numbers), cells=waiter.cells)
-        self._active.add(ticket)
-        self._reserved += ticket.cells
-        waiter.ticket = ticket
+    def _grant(self, waiter: _Waiter) -> list[Ticket]:
+        for _ in range(waiter.count):
+            ticket = Ticket(number=next(self._numbers), cells=waiter.cells)
+            self._active.add(ticket)
+            self._reserved += ticket.cells
+            waiter.tickets.append(ticket)
         waiter.granted.set()
-        return ticket
+        return waiter.tickets
 
     def _grant_waiting(self) -> None:
         # Strict FIFO: only the head may enter, even if a smaller request behind it fits.
-        while self._queue and self._fits(self._queue[0].cells):
+        while self._queue and self._fits_waiter(self._queue[0]):
             self._grant(self._queue.popleft())

@@ -28,10 +28,13 @@ from butter.backends.base import (
     KvOp,
     RemoveTokens,
     Sampled,
+    Scored,
     SeqWork,
     SetSampler,
     ShiftPositions,
+    StepResult,
 )
+from butter.chat.request import Logprobs
 from butter.engine.admission import Admission, Ticket
 from butter.engine.scheduler import PendingWork, plan_step
 from butter.errors import ContextLengthExceeded
@@ -88,7 +91,15 @@ class Generation:
     pending: tuple[int, ...] = ()
     decoding: bool = False
     attached: trio.Event = attrs.field(factory=trio.Event)  # cached_tokens is known
+    # The request's other choices: they join once this one's prompt is in the cache (at
+    # the engine's next step, always the same one, so a seeded request is reproducible).
+    followers: list[Generation] = attrs.field(factory=list)
     _pieces: list[bytes] = attrs.field(factory=list)
+    _logprobs: list[Logprobs] = attrs.field(factory=list)  # when params.logprobs asks
+    # Score the prompt (its tokens' logprobs with this many alternatives): then it is
+    # evaluated whole, never reused from the cache, and max_tokens may be 0.
+    score: int | None = None
+    prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of tokens 1 .. n-1
     _ready: trio.Event = attrs.field(factory=trio.Event)
 
     @property
@@ -117,8 +128,16 @@ class Generation:
     def close(self) -> None:
         self.closed = True
 
-    def _push(self, piece: bytes) -> None:
+    def take_logprobs(self) -> list[Logprobs]:
+        """The logprobs of the tokens whose pieces `pieces` yielded so far, not taken yet
+        (read right after a batch: they are pushed together)."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
+
+    def _push(self, piece: bytes, logprobs: Logprobs | None = None) -> None:
         self._pieces.append(piece)
+        if logprobs is not None:
+            self._logprobs.append(logprobs)
         self._ready.set()
 
     def _finish(self, reason: FinishReason, error: str | None = None) -> None:
@@ -127,6 +146,9 @@ class Generation:
             self.error = error
         self._ready.set()
         self.attached.set()  # a request that fails before its lease must not wait forever
+        for follower in self.followers:  # never joined: they end the same way
+            follower._finish(reason, error)
+        self.followers = []
 
 
 @attrs.define(eq=False)
@@ -190,6 +212,10 @@ class Engine:
         self._joining: list[Generation] = []
         self._ops: list[KvOp] = []
         self._wakeup = trio.Event()
+        # Read by the server's readiness check: the loop is alive, and since when (a
+        # time.perf_counter() value) the step in flight has been running, if any.
+        self.running = False
+        self.step_started: float | None = None
         self._steps = 0
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last bucket is +Inf
         self._step_seconds = 0.0
@@ -207,6 +233,19 @@ class Engine:
         self, prompt: Sequence[int], params: SamplingParams, max_tokens: int | None
     ) -> AsyncIterator[Generation]:
         """Admit (FIFO), run, and always release, whatever happens to the caller."""
+        async with self.generate_choices(prompt, [params], max_tokens) as (generation,):
+            yield generation
+
+    @asynccontextmanager
+    async def generate_choices(
+        self, prompt: Sequence[int], params: Sequence[SamplingParams], max_tokens: int | None,
+        *, score: int | None = None,
+    ) -> AsyncIterator[list[Generation]]:
+        """One generation per sampling parameters, from one prompt, admitted together.
+
+        The prompt is prefilled once: the first choice joins alone, and the others join
+        once its prompt is in the cache and share it from there (seq_cp), each then
+        evaluating just the prompt's last token. Always released, whatever happens."""
         limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
         reserve = limit if max_tokens is not None else min(limit, RESERVATION_STEP)
         cells = len(prompt) + reserve
@@ -216,17 +255,21 @@ class Engine:
                     f"the prompt has {len(prompt)} tokens but the KV window holds "
                     f"{self.window.size} (--kv-window-size)", param="messages")
             cells = min(cells, self.window.size)  # a sliding session never holds more
-        ticket = await self.admission.acquire(cells)
-        generation = Generation(
-            prompt=tuple(prompt), params=params, max_tokens=limit, ticket=ticket
-        )
+        tickets = await self.admission.acquire_many(cells, len(params))
+        generations = [
+            Generation(prompt=tuple(prompt), params=choice, max_tokens=limit, ticket=ticket)
+            for choice, ticket in zip(params, tickets, strict=True)
+        ]
+        generations[0].followers = generations[1:]
+        generations[0].score = score  # (the others share its prompt: scored once)
         try:
-            self._joining.append(generation)
+            self._joining.append(generations[0])
             self._wake()
-            yield generation
+            yield generations
         finally:
-            generation.close()
-            self.admission.release(ticket)
+            for generation in generations:
+                generation.close()
+                self.admission.release(generation.ticket)
             self._wake()
 
     def stats(self) -> EngineStats:
@@ -257,6 +300,7 @@ class Engine:
 
     async def run(self) -> None:
         """The step loop; runs until cancelled (model unload or shutdown)."""
+        self.running = True
         try:
             while True:
                 self._detach_closed()
@@ -269,11 +313,12 @@ class Engine:
                     continue
                 await self._step(works)
         finally:
+            self.running = False
             self.abort_all("the model was unloaded")
 
     async def _step(self, works: list[SeqWork]) -> None:
         ops, self._ops = self._ops, []
-        started = time.perf_counter()
+        started = self.step_started = time.perf_counter()
         try:
             sampled = await _wait_for(self.backend.submit_step(ops, works))
         except BackendError as exc:
@@ -283,6 +328,8 @@ class Engine:
             log.exception("engine step failed")
             self._fail_step(works, ops, f"internal error in the engine step: {exc!r}")
             return
+        finally:
+            self.step_started = None
         self._observe_step(time.perf_counter() - started)
         self._record(works, sampled)
 
@@ -321,14 +368,18 @@ class Engine:
         return [
             PendingWork(
                 seq=s.seq, start=len(s.kv_tokens), pending=s.generation.pending,
-                decoding=s.generation.decoding,
+                decoding=s.generation.decoding, score=s.generation.score,
             )
             for s in self._sessions
             if s.generation is not None and not s.generation.closed
         ]
 
-    def _record(self, works: list[SeqWork], sampled: list[Sampled]) -> None:
-        by_seq = {s.seq: s for s in sampled}
+    def _record(self, works: list[SeqWork], results: list[StepResult]) -> None:
+        by_seq = {s.seq: s for s in results if isinstance(s, Sampled)}
+        for scored in results:
+            generation = self._sessions[scored.seq].generation
+            if isinstance(scored, Scored) and generation is not None:
+                generation.prompt_logprobs.extend(scored.logprobs)
         for work in works:
             session = self._sessions[work.seq]
             session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked
@@ -341,14 +392,20 @@ class Engine:
 
     def _accept(self, generation: Generation, sampled: Sampled) -> None:
         generation.decoding = True
+        if generation.followers:  # its prompt is in the cache now: they can share it
+            self._joining.extend(generation.followers)
+            generation.followers = []
         if sampled.error is not None:
             generation._finish("error", sampled.error)
+            return
+        if generation.max_tokens == 0:  # a prompt scored, nothing generated
+            generation._finish("length")
             return
         if sampled.end_of_generation:
             generation._finish("stop")
             return
         generation.completion_tokens += 1
-        generation._push(sampled.piece)
+        generation._push(sampled.piece, sampled.logprobs)
         generation.pending = (sampled.token,)
         if generation.completion_tokens >= generation.max_tokens:
             generation._finish("length")
@@ -438,6 +495,8 @@ class Engine:
     def _lease(self, session: Session, generation: Generation) -> None:
         keep = self._reusable(session, generation.prompt)
         donor, shared = self._best_donor(session, generation.prompt)
+        if generation.score is not None:  # every prompt token's logits are needed
+            keep = shared = 0
         if shared > keep:
             self._ops.append(RemoveTokens(session.seq, -1, -1))
             self._ops.append(CopyPrefix(donor.seq, session.seq, shared))

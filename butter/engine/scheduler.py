@@ -22,6 +22,7 @@ class PendingWork:
     start: int  # position of the first pending token
     pending: tuple[int, ...]
     decoding: bool  # pending is the one sampled token, not prompt
+    score: int | None = None  # score the prompt's tokens (SeqWork.score)
 
 
 def plan_step(sessions: Sequence[PendingWork], prefill_budget: int) -> list[SeqWork]:
@@ -38,7 +39,8 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int) -> list[SeqW
         works.append(
             SeqWork(
                 seq=s.seq, tokens=chunk, start=s.start, sample=size == len(s.pending),
-                prompt=True,
+                prompt=True, score=s.score,
+                next_token=s.pending[size] if size < len(s.pending) else None,
             )
         )
     return works

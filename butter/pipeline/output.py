@@ -8,6 +8,7 @@ import attrs
 
 from butter.chat.detokenize import IncrementalDetokenizer
 from butter.chat.markup import ContentDelta, Event, MarkupParser, ReasoningDelta, ToolCall
+from butter.chat.request import ChatPrompt, Logprobs
 from butter.chat.stops import StopMatcher
 from butter.pipeline.prepare import PreparedGeneration
 
@@ -19,6 +20,9 @@ class OutputAssembler:
     def __init__(self, prepared: PreparedGeneration, *, call_id_prefix: str = "call_") -> None:
         self._detokenizer = IncrementalDetokenizer()
         self._stops = StopMatcher(prepared.request.stop)
+        # Markup (think blocks, tool calls) belongs to a chat turn; a raw prompt's
+        # completion is text as it came.
+        self._parses_markup = isinstance(prepared.request.prompt, ChatPrompt)
         self._markup = MarkupParser(
             prepared.request.tool_schemas, start_in_reasoning=prepared.starts_in_reasoning,
             new_call_id=lambda _: f"{call_id_prefix}{uuid.uuid4().hex[:24]}",
@@ -37,11 +41,25 @@ class OutputAssembler:
         return self._markup.tool_calls
 
     def feed(self, pieces: list[bytes]) -> list[Event]:
-        return self._markup.feed(self._stops.feed(self._detokenizer.feed(b"".join(pieces))))
+        return self._events(self._stops.feed(self._detokenizer.feed(b"".join(pieces))))
 
     def finish(self) -> list[Event]:
         tail = self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
+        if not self._parses_markup:
+            return self._events(tail)
         return self._markup.feed(tail) + self._markup.finish()
+
+    def _events(self, text: str) -> list[Event]:
+        if self._parses_markup:
+            return self._markup.feed(text)
+        return [ContentDelta(text)] if text else []
+
+
+@attrs.frozen
+class LogprobsDelta:
+    """The logprobs of the tokens generated since the last one (requests that ask)."""
+
+    entries: tuple[Logprobs, ...]
 
 
 @attrs.frozen
@@ -63,8 +81,12 @@ class OutputBlocks:
 
     def __init__(self) -> None:
         self.blocks: list[Block] = []
+        self.logprobs: list[Logprobs] = []
 
-    def add(self, event: Event) -> None:
+    def add(self, event: Event | LogprobsDelta) -> None:
+        if isinstance(event, LogprobsDelta):
+            self.logprobs.extend(event.entries)
+            return
         last = self.blocks[-1] if self.blocks else None
         if isinstance(event, ContentDelta):
             if isinstance(last, TextBlock):

@@ -10,10 +10,10 @@ import attrs
 
 from butter.backends.base import BackendError
 from butter.chat.markup import THINK_OPEN
-from butter.chat.request import ChatPrompt, GenerationRequest
+from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
 from butter.errors import ContextLengthExceeded, InvalidRequest, ModelReplaced
 from butter.pipeline.resident import ResidentModel
-from butter.sampling import SamplingParams
+from butter.sampling import MAX_SEED, SamplingParams
 
 
 @attrs.frozen
@@ -32,9 +32,35 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
             text = render(resident, request.prompt)
             return prepare_tokens(resident, request, resident.tokenize_prompt(text),
                                   starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+        if isinstance(request.prompt, TokenPrompt):
+            return prepare_tokens(resident, request, checked_tokens(
+                request.prompt.tokens, resident.backend.info.n_vocab))
+        if request.prompt.suffix is not None:
+            return prepare_tokens(resident, request, fill_in_the_middle(
+                resident, request.prompt.text, request.prompt.suffix))
         return prepare_tokens(resident, request, resident.tokenize_prompt(request.prompt.text))
     except BackendError as exc:  # a swap unloaded this model while the request was prepared
         raise ModelReplaced(str(exc)) from None
+
+
+def fill_in_the_middle(resident: ResidentModel, prefix: str, suffix: str) -> list[int]:
+    """The prefix-suffix-middle layout llama-server uses: [BOS] <PRE> prefix <SUF> suffix
+    <MID>; the model continues with the middle."""
+    info = resident.backend.info
+    if info.fim_tokens is None:
+        raise InvalidRequest("suffix needs a model with fill-in-the-middle tokens, and "
+                             f"{info.description} has none", param="suffix")
+    pre, suf, mid = info.fim_tokens
+    bos = resident.backend.tokenize("", add_bos=info.add_bos)  # [BOS], or nothing
+    text = resident.backend.tokenize
+    return [*bos, pre, *text(prefix, add_bos=False), suf, *text(suffix, add_bos=False), mid]
+
+
+def checked_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
+    if any(token >= n_vocab for token in tokens):
+        raise InvalidRequest(f"the prompt has token ids beyond the vocabulary's {n_vocab}",
+                             param="prompt")
+    return list(tokens)
 
 
 def render(resident: ResidentModel, prompt: ChatPrompt) -> str:
@@ -50,12 +76,36 @@ def prepare_tokens(
 ) -> PreparedGeneration:
     max_tokens = fit_completion(len(prompt), request.max_tokens, resident.max_context,
                                 strict=resident.strict_max_tokens)
+    check_choices(request.n, resident.engine.admission.slots)
+    check_logit_bias(request.sampling, resident.backend.info.n_vocab)
     try:
         resident.backend.check_sampling(request.sampling)
     except ValueError as exc:
         raise InvalidRequest(f"cannot serve this request: {exc}") from None
     return PreparedGeneration(request=request, prompt=prompt, params=request.sampling,
                               max_tokens=max_tokens, starts_in_reasoning=starts_in_reasoning)
+
+
+def check_choices(n: int, sessions: int) -> None:
+    """Every choice decodes in a session of its own, all at once."""
+    if n > sessions:
+        raise InvalidRequest(
+            f"n={n} choices need {n} sessions, and this server runs {sessions} "
+            f"(--parallel)", param="n")
+
+
+def check_logit_bias(params: SamplingParams, n_vocab: int) -> None:
+    for token, _ in params.logit_bias:
+        if token >= n_vocab:
+            raise InvalidRequest(f"logit_bias names token {token}, but the vocabulary has "
+                                 f"{n_vocab} tokens", param="logit_bias")
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Each choice's sampling: the same, but its own seed stream (seed, seed + 1, ...), so
+    a seeded request is reproducible choice by choice."""
+    return [attrs.evolve(params, seed=(params.seed + index) % (MAX_SEED + 1))
+            for index in range(n)]
 
 
 def fit_completion(

@@ -13,8 +13,8 @@ from butter.chat.markup import Event
 from butter.chat.request import FinishReason, Usage
 from butter.engine.engine import EngineStopped, Generation
 from butter.errors import ButterError, ModelReplaced
-from butter.pipeline.output import OutputAssembler
-from butter.pipeline.prepare import PreparedGeneration
+from butter.pipeline.output import LogprobsDelta, OutputAssembler
+from butter.pipeline.prepare import PreparedGeneration, choice_params
 from butter.pipeline.resident import ResidentModel
 
 
@@ -46,36 +46,52 @@ async def running(
     observer: RequestObserver | None = None,
 ) -> AsyncIterator[Generation]:
     """The request's generation on the resident engine, admitted and always released."""
-    generation: Generation | None = None
+    async with running_choices(resident, prepared, observer) as (generation, *_):
+        yield generation
+
+
+@asynccontextmanager
+async def running_choices(
+    resident: ResidentModel, prepared: PreparedGeneration,
+    observer: RequestObserver | None = None,
+) -> AsyncIterator[list[Generation]]:
+    """The request's `n` generations (one per choice), admitted together, prefilled once,
+    always released."""
+    generations: list[Generation] = []
     cancelled = False
     try:
-        async with resident.engine.generate(
-            prepared.prompt, prepared.params, prepared.max_tokens
-        ) as generation:
-            yield generation
+        async with resident.engine.generate_choices(
+            prepared.prompt, choice_params(prepared.params, prepared.request.n),
+            prepared.max_tokens, score=prepared.request.score_prompt,
+        ) as generations:
+            yield generations
     except EngineStopped as exc:
         raise ModelReplaced(str(exc)) from None
-    except trio.Cancelled:
-        cancelled = True
+    except (trio.Cancelled, GeneratorExit):  # GeneratorExit: a stream's reader went away
+        cancelled = True                       # while its generator waited at a `yield`
         raise
     finally:
         if observer is not None:
-            observer.on_finish(observer, generation, cancelled)
+            observer.on_finish(observer, generations[0] if generations else None, cancelled)
 
 
 async def generated_events(
     generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None,
     observer: RequestObserver | None = None,
-) -> AsyncIterator[Event | None]:
-    """Parsed output events; None for a heartbeat (no output for `heartbeat` seconds)."""
+) -> AsyncIterator[Event | LogprobsDelta | None]:
+    """Parsed output events, then the logprobs of the tokens they came from (when the
+    request asked); None for a heartbeat (no output for `heartbeat` seconds)."""
     async for pieces in generation.pieces(heartbeat=heartbeat):
         if not pieces:
             yield None
             continue
+        logprobs = generation.take_logprobs()  # (pushed with these pieces)
         for event in assembler.feed(pieces):
             if observer is not None:
                 observer.output()
             yield event
+        if logprobs:
+            yield LogprobsDelta(tuple(logprobs))
         if assembler.stopped:
             generation.close()  # the engine drops it before the next step
             break
@@ -96,9 +112,11 @@ def finish_reason(generation: Generation, assembler: OutputAssembler) -> FinishR
     return "length" if generation.finish_reason == "length" else "stop"
 
 
-def usage(generation: Generation) -> Usage:
+def usage(generation: Generation, *others: Generation) -> Usage:
+    """The prompt once (and its cached part as the first choice found it), the completion
+    tokens of every choice."""
     return Usage(
         prompt_tokens=generation.prompt_tokens,
-        completion_tokens=generation.completion_tokens,
+        completion_tokens=sum(g.completion_tokens for g in (generation, *others)),
         cached_tokens=generation.cached_tokens,
     )

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 
 from butter.chat import grammar as grammars
-from butter.chat.request import ChatPrompt, FinishReason, GenerationRequest, Prompt, Usage
+from butter.chat.request import (
+    ChatPrompt,
+    FinishReason,
+    GenerationRequest,
+    Logprobs,
+    Prompt,
+    TokenLogprob,
+    Usage,
+)
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
 from butter.sampling import MAX_SEED, SamplingParams
 
 # Larger than any vocabulary; keeps the value inside llama.cpp's int32.
 MAX_TOP_K = 1 << 20
+MAX_CHOICES = 16  # `n`; also bounded by the server's sessions (--parallel)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -99,6 +109,8 @@ class ChatCompletionRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     @property
@@ -143,27 +155,46 @@ def _validate(request: ChatCompletionRequest) -> None:
                     f"messages[{index}].content: only text parts are supported, got {part.type!r}",
                     param=f"messages[{index}].content",
                 )
-    _check_range(request.temperature, "temperature", 0.0, 2.0)
-    _check_range(request.top_p, "top_p", 0.0, 1.0)
-    _check_range(request.min_p, "min_p", 0.0, 1.0)
-    _check_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _check_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    _check_range(request.repeat_penalty, "repeat_penalty", 0.0, 10.0)
-    if request.top_k is not None and not 0 <= request.top_k <= MAX_TOP_K:
-        raise InvalidRequest(f"top_k must be between 0 and {MAX_TOP_K}", param="top_k")
+    check_sampling_ranges(request)
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}", param="seed")
     max_tokens = request.requested_max_tokens
     if max_tokens is not None and max_tokens < 1:
         raise InvalidRequest("max_tokens must be at least 1", param="max_tokens")
-    if request.n not in (None, 1):
-        raise InvalidRequest("only n=1 is supported", param="n")
-    if request.logprobs:
-        raise InvalidRequest("logprobs are not supported", param="logprobs")
+    if request.n is not None and not 1 <= request.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
+    _validate_logprobs(request.logprobs, request.top_logprobs)
+    logit_bias(request.logit_bias)  # (validates)
     if request.stop is not None and isinstance(request.stop, list) and len(request.stop) > 16:
         raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
     _validate_tools(request)
     _validate_response_format(request.response_format)
+
+
+def _validate_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
+    if top_logprobs is None:
+        return
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}",
+                             param="top_logprobs")
+    if not logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; -100 bans the token (-inf)."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}",
+                                 param="logit_bias") from None
+        if token < 0 or not -100 <= value <= 100:
+            raise InvalidRequest("logit_bias maps token ids >= 0 to values between -100 and "
+                                 "100", param="logit_bias")
+        pairs.append((token, float("-inf") if value <= -100 else float(value)))
+    return tuple(pairs)
 
 
 def _validate_tools(request: ChatCompletionRequest) -> None:
@@ -222,6 +253,35 @@ def template_kwargs(request: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
+class SamplingFields(Protocol):
+    @property
+    def temperature(self) -> float | None: ...
+    @property
+    def top_p(self) -> float | None: ...
+    @property
+    def top_k(self) -> int | None: ...
+    @property
+    def min_p(self) -> float | None: ...
+    @property
+    def presence_penalty(self) -> float | None: ...
+    @property
+    def frequency_penalty(self) -> float | None: ...
+    @property
+    def repeat_penalty(self) -> float | None: ...
+
+
+def check_sampling_ranges(request: SamplingFields) -> None:
+    """The sampling fields both OpenAI endpoints share, each within its range."""
+    _check_range(request.temperature, "temperature", 0.0, 2.0)
+    _check_range(request.top_p, "top_p", 0.0, 1.0)
+    _check_range(request.min_p, "min_p", 0.0, 1.0)
+    _check_range(request.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _check_range(request.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    _check_range(request.repeat_penalty, "repeat_penalty", 0.0, 10.0)
+    if request.top_k is not None and not 0 <= request.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k must be between 0 and {MAX_TOP_K}", param="top_k")
+
+
 def _check_range(value: float | None, name: str, low: float, high: float) -> None:
     if value is not None and not low <= value <= high:
         raise InvalidRequest(f"{name} must be between {low:g} and {high:g}", param=name)
@@ -250,7 +310,9 @@ def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: text content, tool-call arguments as objects."""
     rendered: list[dict[str, Any]] = []
     for message in request.messages:
-        item: dict[str, Any] = {"role": message.role, "content": message_text(message.content)}
+        # OpenAI's `developer` replaces `system`; most templates know only the latter.
+        role = "system" if message.role == "developer" else message.role
+        item: dict[str, Any] = {"role": role, "content": message_text(message.content)}
         if message.name is not None:
             item["name"] = message.name
         if message.tool_call_id is not None:
@@ -301,12 +363,14 @@ def generation_request(
     if prompt is None:
         prompt = ChatPrompt(template_messages(request), tools=template_tools(request),
                             template_kwargs=template_kwargs(request))
+    sampling = attrs.evolve(
+        sampling_params(request), grammar=output_constraint(request),
+        logit_bias=logit_bias(request.logit_bias),
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+    )
     return GenerationRequest(
-        prompt=prompt,
-        sampling=attrs.evolve(sampling_params(request), grammar=output_constraint(request)),
-        max_tokens=request.requested_max_tokens,
-        stop=request.stop_strings,
-        tool_schemas=tool_schemas(request),
+        prompt=prompt, sampling=sampling, max_tokens=request.requested_max_tokens,
+        stop=request.stop_strings, tool_schemas=tool_schemas(request), n=request.n or 1,
     )
 
 
@@ -351,38 +415,62 @@ def tool_schemas(request: ChatCompletionRequest) -> dict[str, dict[str, Any] | N
     return {tool.function.name: tool.function.parameters for tool in request.tools or []}
 
 
-def completion_body(
-    *, completion_id: str, model: str, created: int, content: str | None,
-    finish_reason: FinishReason, usage: Usage,
-    reasoning_content: str | None = None, tool_calls: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+def message_body(content: str | None, reasoning: str | None,
+                 tool_calls: list[dict[str, Any]] | None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
-    if reasoning_content:
-        message["reasoning_content"] = reasoning_content
+    if reasoning:  # under both names clients read (llama-server's and vLLM's)
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
+    return message
+
+
+def logprobs_body(entries: list[Logprobs]) -> dict[str, Any]:
+    """OpenAI's `logprobs` of a choice: per token, its text, bytes, logprob and the most
+    likely alternatives."""
+    return {"content": [{**_token_logprob(entry.chosen),
+                         "top_logprobs": [_token_logprob(top) for top in entry.top]}
+                        for entry in entries]}
+
+
+def _token_logprob(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.piece.decode("utf-8", errors="replace"),
+            "logprob": entry.logprob, "bytes": list(entry.piece)}
+
+
+def choice_body(index: int, message: dict[str, Any], finish_reason: FinishReason,
+                logprobs: list[Logprobs] | None) -> dict[str, Any]:
+    """One choice; `logprobs` None: not asked."""
+    return {"index": index, "message": message, "finish_reason": finish_reason,
+            "logprobs": None if logprobs is None else logprobs_body(logprobs)}
+
+
+def completion_body(
+    *, completion_id: str, model: str, created: int, choices: list[dict[str, Any]],
+    usage: Usage,
+) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": finish_reason,
-                     "logprobs": None}],
+        "choices": choices,
         "usage": usage_body(usage),
     }
 
 
 def chunk_body(
     *, completion_id: str, model: str, created: int, delta: dict[str, Any],
-    finish_reason: FinishReason | None = None,
+    finish_reason: FinishReason | None = None, index: int = 0,
+    logprobs: list[Logprobs] | None = None,
 ) -> dict[str, Any]:
     return {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason,
-                     "logprobs": None}],
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
+                     "logprobs": None if logprobs is None else logprobs_body(logprobs)}],
     }
 
 

@@ -6,11 +6,12 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import attrs
 import trio
+from prometheus_client.registry import Collector
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -30,9 +31,12 @@ from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
-from butter.server import chat_completions, messages
+from butter.protocol import completions as completions_wire
+from butter.server import chat_completions, completions, messages
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
+from butter.server.readiness import LIVE_PATH, READY_PATH, Readiness, current_load
+from butter.server.vllm_metrics import VllmCollector
 from butter.settings import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_MAX_BODY_BYTES,
@@ -44,6 +48,8 @@ log = logging.getLogger("butter")
 request_log = logging.getLogger("butter.requests")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+API_PREFIX = "/v1"
+RouteHandler = Callable[[], Awaitable[Response]]
 
 
 @attrs.frozen
@@ -61,18 +67,36 @@ async def prepare(resident: ResidentModel, request: GenerationRequest) -> Prepar
     return await trio.to_thread.run_sync(preparing.prepare, resident, request)
 
 
-def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> QuartTrio:
+def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
+               collectors: Sequence[Collector] = (),
+               readiness: Readiness | None = None) -> QuartTrio:
+    """`collectors`: more /metrics, from outside the app (the server's connections).
+    `readiness`: what /ready answers and whether new work is refused (the server drains
+    through it)."""
     limits = limits or HttpLimits()
+    readiness = readiness or Readiness(backend)
     max_body_bytes = limits.max_body_bytes
     stream_flush = limits.stream_flush
     metrics = Metrics(lambda: _engine_of(backend), lambda: backend.swaps)
+    for collector in collectors:
+        metrics.registry.register(collector)
+    metrics.registry.register(VllmCollector(lambda: _resident_of(backend)))
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
     app.config["BODY_TIMEOUT"] = limits.body_timeout
 
     def is_anthropic() -> bool:
-        return request.path.startswith("/v1/messages")
+        return request.path.removeprefix(API_PREFIX).startswith("/messages")
+
+    def api(method: str, path: str) -> Callable[[RouteHandler], RouteHandler]:
+        """Serve `path` under /v1 and without it: clients configured with the bare server
+        URL call /chat/completions (llama-server answers both spellings too)."""
+        def register(handler: RouteHandler) -> RouteHandler:
+            app.route(API_PREFIX + path, methods=[method])(handler)
+            return app.route(path, methods=[method])(handler)
+
+        return register
 
     def error_response(error: ButterError) -> Response:
         if not is_anthropic():
@@ -92,7 +116,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
 
     @app.before_request
     async def check_api_key() -> None:
-        if limits.api_key is None or request.path == "/health":
+        if limits.api_key is None or request.path in (LIVE_PATH, READY_PATH):  # probes
             return
         bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         given = bearer or request.headers.get("x-api-key", "")
@@ -127,9 +151,26 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         wrapped.anthropic_type = "not_found_error" if status == 404 else "invalid_request_error"
         return error_response(wrapped)
 
-    @app.get("/health")
+    @app.get(LIVE_PATH)
     async def health() -> Response:
         return Response("ok", mimetype="text/plain")
+
+    # ---- scale-out: readiness, drain and load, for routers (docs/scale-out.md)
+
+    @app.before_request
+    async def refuse_new_work_while_draining() -> None:
+        if request.method == "POST":
+            readiness.refuse_new_work()
+
+    @app.get(READY_PATH)
+    async def ready() -> Response:
+        state = readiness.state()
+        return _json(state.body(), status=200 if state.ready else 503)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        """vllm-router's power_of_two polls this for each replica's load."""
+        return _json({"load": current_load(backend)})
 
     @app.get("/")
     async def root() -> Response:
@@ -141,11 +182,11 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), mimetype="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @api("GET", "/models")
     async def list_models() -> Response:
         return _json({"object": "list", "data": [_model_card(backend.current)]})
 
-    @app.get("/v1/server")
+    @api("GET", "/server")
     async def server_info() -> Response:
         resident = backend.current
         return _json({
@@ -156,7 +197,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
             "allow_swap": backend.allow_swap,
         })
 
-    @app.post("/v1/chat/completions")
+    @api("POST", "/chat/completions")
     async def chat() -> Response:
         chat_request = openai.parse_chat_request(await _json_body())
         check_messages(len(chat_request.messages))
@@ -173,7 +214,26 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 
-    @app.post("/v1/messages")
+    @api("POST", "/completions")
+    async def legacy_completion() -> Response:
+        completion_request = completions_wire.parse_completion_request(await _json_body())
+        resident = await backend.resident_for(completion_request.model)
+        prepared = [await prepare(resident, one)
+                    for one in completions_wire.generation_requests(completion_request)]
+        watch = observer("/v1/completions")
+        echo = completion_request.echo
+        if not completion_request.stream:
+            return _json(await completions.complete(resident, prepared, echo=echo,
+                                                    observer=watch))
+        resident.engine.admission.check_queue_room()
+        return Response(
+            completions.stream(resident, prepared, echo=echo,
+                               include_usage=completion_request.include_usage,
+                               flush_interval=stream_flush, observer=watch),
+            mimetype="text/event-stream", headers=SSE_HEADERS,
+        )
+
+    @api("POST", "/messages")
     async def create_message() -> Response:
         messages_request = anthropic.parse_messages_request(await _json_body())
         check_messages(len(messages_request.messages))
@@ -190,7 +250,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
                                         observer=watch, show_thinking=show_thinking),
                         mimetype="text/event-stream", headers=SSE_HEADERS)
 
-    @app.post("/v1/messages/count_tokens")
+    @api("POST", "/messages/count_tokens")
     async def count_tokens() -> Response:
         chat_request = anthropic.to_chat_request(
             anthropic.parse_count_tokens_request(await _json_body())
@@ -201,6 +261,13 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None) -> Quart
         return _json({"input_tokens": len(prepared.prompt)})
 
     return app
+
+
+def _resident_of(backend: ServeBackend) -> ResidentModel | None:
+    try:
+        return backend.current
+    except RuntimeError:  # between a swap's unload and load
+        return None
 
 
 def _engine_of(backend: ServeBackend) -> Engine | None:

@@ -12,6 +12,7 @@ Both take a LoadedModel (butter.Model is one: the library's model is served as i
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,6 +38,11 @@ class ServeBackend(Protocol):
 
     @property
     def current(self) -> ResidentModel: ...
+
+    @property
+    def swapping(self) -> bool:
+        """A model swap is under way (readiness says 503 meanwhile)."""
+        ...
 
     async def resident_for(self, model: str | None) -> ResidentModel: ...
 
@@ -70,6 +76,7 @@ class ButterServeBackend:
     """Serve one already loaded Model under `model_id`; other ids get 404."""
 
     allow_swap = False
+    swapping = False  # never: this backend serves one model
 
     def __init__(self, *, model: LoadedModel, model_id: str | None = None,
                  maximum_concurrent_requests: int | None = None) -> None:
@@ -129,6 +136,11 @@ class ResidentServeBackend:
             raise RuntimeError("no model is resident: call start() first")
         return self._model.resident
 
+    @property
+    def swapping(self) -> bool:
+        # The lock is held from unloading the old model until the new one has loaded.
+        return self._lock.locked()
+
     async def start(self) -> None:
         if self._model is None:
             self._model = await self._loader(self._initial_id)
@@ -171,6 +183,8 @@ class ResidentServeBackend:
         log.info("swapping model %r for %r", old_id, model)
         self._model = None
         await old.aclose(f"the model was replaced by {model!r}")  # freed before the load
+        del old
+        gc.collect()  # now: its objects sit in reference cycles, hundreds of MiB until then
         try:
             self._model = await self._loader(model)
         except ModelLoadError as exc:

@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: the pipeline's events as a chat.completion body or SSE chunks."""
+"""POST /v1/chat/completions: the pipeline's events as a chat.completion body or SSE chunks.
+
+A request with `n` > 1 runs its choices side by side in the engine (prefilled once). The
+body lists them by index; a stream sends each choice's chunks in turn, choice 0 first
+(clients reassemble by `index`), while the later choices keep generating meanwhile."""
 
 from __future__ import annotations
 
@@ -6,13 +10,22 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import trio
+
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason
+from butter.engine.engine import Generation
 from butter.errors import ButterError
-from butter.pipeline.output import OutputAssembler, OutputBlocks
+from butter.pipeline.output import LogprobsDelta, OutputAssembler, OutputBlocks
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
-from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running, usage
+from butter.pipeline.run import (
+    RequestObserver,
+    finish_reason,
+    generated_events,
+    running_choices,
+    usage,
+)
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
 from butter.server.coalesce import FrameCoalescer
@@ -31,27 +44,41 @@ async def complete(
     resident: ResidentModel, prepared: PreparedGeneration,
     observer: RequestObserver | None = None,
 ) -> dict[str, Any]:
-    assembler = OutputAssembler(prepared)
-    answer = OutputBlocks()
-    async with running(resident, prepared, observer) as generation:
-        async for event in generated_events(generation, assembler, observer=observer):
-            if event is not None:
-                answer.add(event)
-    calls = [_tool_call_body(call) for call in answer.calls]
-    text = answer.text
+    async with running_choices(resident, prepared, observer) as generations:
+        choices: list[dict[str, Any]] = [{} for _ in generations]
+        async with trio.open_nursery() as nursery:
+            for index, generation in enumerate(generations):
+                nursery.start_soon(_collect, prepared, generation, index, choices, observer)
     return openai.completion_body(
         completion_id=new_completion_id(), model=resident.model_id, created=openai.now(),
-        content=None if calls and not text.strip() else text,
-        reasoning_content=answer.reasoning or None, tool_calls=calls or None,
-        finish_reason=finish_reason(generation, assembler), usage=usage(generation),
+        choices=choices, usage=usage(*generations),
     )
+
+
+async def _collect(
+    prepared: PreparedGeneration, generation: Generation, index: int,
+    choices: list[dict[str, Any]], observer: RequestObserver | None,
+) -> None:
+    """One choice, whole, into choices[index]."""
+    assembler = OutputAssembler(prepared)
+    answer = OutputBlocks()
+    async for event in generated_events(generation, assembler, observer=observer):
+        if event is not None:
+            answer.add(event)
+    calls = [_tool_call_body(call) for call in answer.calls]
+    text = answer.text
+    message = openai.message_body(None if calls and not text.strip() else text,
+                                  answer.reasoning or None, calls or None)
+    logprobs = answer.logprobs if prepared.params.logprobs is not None else None
+    choices[index] = openai.choice_body(index, message, finish_reason(generation, assembler),
+                                        logprobs)
 
 
 def _deltas(event: Event) -> list[dict[str, Any]]:
     if isinstance(event, ContentDelta):
         return [{"content": event.text}]
     if isinstance(event, ReasoningDelta):
-        return [{"reasoning_content": event.text}]
+        return [{"reasoning_content": event.text, "reasoning": event.text}]
     # A call is two deltas: who is called, then its arguments (clients concatenate those).
     opening = {"index": event.index, "id": event.id, "type": "function",
                "function": {"name": event.name, "arguments": ""}}
@@ -63,33 +90,42 @@ async def stream(
     resident: ResidentModel, prepared: PreparedGeneration, *, include_usage: bool,
     flush_interval: float = 0.0, observer: RequestObserver | None = None,
 ) -> AsyncIterator[bytes]:
-    assembler = OutputAssembler(prepared)
     frames = FrameCoalescer(flush_interval)
     completion_id, created = new_completion_id(), openai.now()
 
-    def chunk(delta: dict[str, Any], reason: FinishReason | None = None) -> bytes:
+    def chunk(delta: dict[str, Any], index: int, reason: FinishReason | None = None,
+              logprobs: LogprobsDelta | None = None) -> bytes:
         return data_event(openai.chunk_body(
             completion_id=completion_id, model=resident.model_id, created=created,
-            delta=delta, finish_reason=reason,
+            delta=delta, finish_reason=reason, index=index,
+            logprobs=None if logprobs is None else list(logprobs.entries),
         ))
 
     try:
-        async with running(resident, prepared, observer) as generation:
-            yield chunk({"role": "assistant", "content": ""})
-            async for event in generated_events(generation, assembler, observer=observer):
-                if event is None:
-                    continue
-                ready = frames.add(b"".join(chunk(delta) for delta in _deltas(event)))
+        async with running_choices(resident, prepared, observer) as generations:
+            for index, generation in enumerate(generations):
+                yield chunk({"role": "assistant", "content": ""}, index)
+                assembler = OutputAssembler(prepared)
+                async for event in generated_events(generation, assembler,
+                                                    observer=observer):
+                    if event is None:
+                        continue
+                    frame = (chunk({}, index, logprobs=event)
+                             if isinstance(event, LogprobsDelta)
+                             else b"".join(chunk(delta, index) for delta in _deltas(event)))
+                    ready = frames.add(frame)
+                    if ready:
+                        yield ready
+                ready = frames.add(chunk({}, index, finish_reason(generation, assembler)))
                 if ready:
                     yield ready
-        reason = finish_reason(generation, assembler)
     except ButterError as exc:  # after the headers went out: end cleanly, then say why
-        yield frames.take() + chunk({}, "stop") + data_event(exc.openai_body()) + DONE
+        yield frames.take() + chunk({}, 0, "stop") + data_event(exc.openai_body()) + DONE
         return
-    tail = frames.take() + chunk({}, reason)
+    tail = frames.take()
     if include_usage:
         tail += data_event(openai.usage_chunk_body(
             completion_id=completion_id, model=resident.model_id, created=created,
-            usage=usage(generation),
+            usage=usage(*generations),
         ))
     yield tail + DONE

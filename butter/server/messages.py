@@ -8,7 +8,13 @@ from typing import Any
 
 from butter.chat.markup import Event, ReasoningDelta, ToolCall
 from butter.errors import ButterError
-from butter.pipeline.output import OutputAssembler, OutputBlocks, ReasoningBlock, TextBlock
+from butter.pipeline.output import (
+    LogprobsDelta,
+    OutputAssembler,
+    OutputBlocks,
+    ReasoningBlock,
+    TextBlock,
+)
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running, usage
@@ -124,6 +130,8 @@ async def stream(
             async for event in generated_events(
                 generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
             ):
+                if isinstance(event, LogprobsDelta):
+                    continue  # (the Messages API has no logprobs)
                 frame = named_event("ping", {"type": "ping"}) if event is None else b"".join(
                     blocks.on(event))
                 ready = frames.add(frame)

@@ -3,9 +3,11 @@
     server = ServeServer(host="127.0.0.1", port=0, backend=backend)
     host, port = await nursery.start(server.serve)   # or: await server.run_forever()
 
-Cancelling the scope stops it; `request_shutdown()` (or SIGINT/SIGTERM under
-run_forever) stops accepting and gives active requests `shutdown_grace` seconds; idle
-keep-alive connections are closed at once (see ShieldResponseEnd).
+Cancelling the scope stops it; `request_shutdown()` stops accepting and gives active
+requests `shutdown_grace` seconds; idle keep-alive connections are closed at once (see
+ShieldResponseEnd). SIGINT/SIGTERM under run_forever `drain()` first: /ready turns 503,
+new work gets 503, and the requests in flight finish within the grace before the
+listener closes (butter/server/readiness.py).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 
 from butter.server.app import HttpLimits, create_app
 from butter.server.backends import ServeBackend
+from butter.server.connections import ConnectionCollector, Connections, serve_hypercorn
+from butter.server.readiness import CountInFlight, Readiness
 from butter.settings import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
     DEFAULT_KEEP_ALIVE_SECONDS,
@@ -29,6 +32,8 @@ from butter.settings import (
     DEFAULT_MAX_MESSAGES,
     DEFAULT_SHUTDOWN_GRACE_SECONDS,
     DEFAULT_STREAM_FLUSH_SECONDS,
+    DEFAULT_WRITE_TIMEOUT_SECONDS,
+    default_max_connections,
 )
 
 log = logging.getLogger("butter")
@@ -68,6 +73,8 @@ class ServeServer:
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
         max_messages: int = DEFAULT_MAX_MESSAGES, api_key: str | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
+        write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
+        max_connections: int | None = None,
     ) -> None:
         self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
                                  stream_flush=stream_flush, api_key=api_key,
@@ -76,16 +83,27 @@ class ServeServer:
         self.port = port
         self.backend = backend
         self.shutdown_grace = shutdown_grace
-        self.shutdown_requested = trio.Event()
-        self.app = create_app(self.backend, self.limits)
+        self.shutdown_requested = trio.Event()  # hypercorn stops accepting
+        self.shutdown_started = trio.Event()  # a drain or a shutdown began
+        self.readiness = Readiness(backend)
+        self._http_config: Config | None = None
+        self.connections = Connections(
+            max_connections=max_connections or default_max_connections(),
+            write_timeout=write_timeout)
+        self.app = create_app(self.backend, self.limits,
+                              collectors=[ConnectionCollector(self.connections)],
+                              readiness=self.readiness)
 
     def routes(self) -> list[str]:
         """"METHOD /path" of every route the app serves, read from the app itself."""
+        rules = [rule for rule in self.app.url_map.iter_rules() if rule.endpoint != "static"]
+        paths = {rule.rule for rule in rules}
         lines = []
-        for rule in sorted(self.app.url_map.iter_rules(), key=lambda rule: rule.rule):
+        for rule in sorted(rules, key=lambda rule: rule.rule):
+            if "/v1" + rule.rule in paths:
+                continue  # the same route without /v1: said once, in the README
             methods = sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
-            if rule.endpoint != "static":
-                lines.append(f"{'/'.join(methods):<5} {rule.rule}")
+            lines.append(f"{'/'.join(methods):<5} {rule.rule}")
         return lines
 
     def _config(self) -> Config:
@@ -101,6 +119,22 @@ class ServeServer:
 
     def request_shutdown(self) -> None:
         """Stop accepting; active requests get `shutdown_grace` seconds to finish."""
+        self.shutdown_started.set()
+        self.shutdown_requested.set()
+
+    async def drain(self) -> None:
+        """Stop being ready, answer new work 503 (routers retry it on another replica), let
+        the requests in flight finish, all within `shutdown_grace`; then stop accepting.
+
+        The listener stays open while requests are in flight: a router that has not seen
+        /ready turn 503 yet gets a 503 it retries, not a refused or reset connection."""
+        self.shutdown_started.set()
+        self.readiness.start_draining()
+        deadline = trio.current_time() + self.shutdown_grace
+        with trio.move_on_at(deadline):
+            await self.readiness.wait_idle()
+        if self._http_config is not None:  # the grace is spent: cut what still runs
+            self._http_config.graceful_timeout = max(0.0, deadline - trio.current_time())
         self.shutdown_requested.set()
 
     async def serve(
@@ -110,7 +144,7 @@ class ServeServer:
 
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
-        app = ShieldResponseEnd(self.app)  # type: ignore[arg-type]
+        app = ShieldResponseEnd(CountInFlight(self.app, self.readiness))  # type: ignore[arg-type]
         await self.backend.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(self._serve_http, app)
@@ -121,9 +155,10 @@ class ServeServer:
         self, app: ShieldResponseEnd, *,
         task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        await hypercorn_serve(
+        self._http_config = self._config()  # drain() shortens its grace to what is left
+        await serve_hypercorn(
             app,  # type: ignore[arg-type]
-            self._config(), shutdown_trigger=self.shutdown_requested.wait,
+            self._http_config, self.connections, shutdown_trigger=self.shutdown_requested.wait,
             task_status=task_status,
         )
 
@@ -135,8 +170,11 @@ class ServeServer:
             nursery.cancel_scope.cancel()
 
     async def shutdown_on_signals(self) -> None:
+        """The first SIGINT/SIGTERM drains; the default handlers are back meanwhile, so a
+        second one ends the process at once."""
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
-                log.info("received %s: shutting down gracefully", signal.Signals(signum).name)
-                self.request_shutdown()
-                return
+                log.info("received %s: draining (in flight: %d), then shutting down",
+                         signal.Signals(signum).name, self.readiness.state().in_flight)
+                break
+        await self.drain()

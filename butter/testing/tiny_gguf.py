@@ -57,6 +57,9 @@ IM_END: Final = "<|im_end|>"
 # user-defined ones are always matched, like in the real Qwen3 GGUFs.
 CONTROL_TOKENS: Final = (ENDOFTEXT, IM_START, IM_END)
 USER_DEFINED_TOKENS: Final = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+# Fill-in-the-middle control tokens (Qwen2.5-Coder's names), appended only to a model
+# written with fim=True.
+FIM_TOKENS: Final = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 # Small English text with digits, punctuation, contractions, JSON and some
 # multi-byte characters, so that merges cover the kinds of text tests use.
@@ -353,7 +356,7 @@ def _add_hparams(
     writer.add_layer_norm_rms_eps(RMS_EPS)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str) -> None:
+def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str, *, fim: bool) -> None:
     """Vocabulary and special-token metadata in the layout of Qwen's GGUFs."""
     _, merges = _trained_vocab()
     vocab = tiny_vocab()
@@ -364,6 +367,13 @@ def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str) -> None:
         + [gguf.TokenType.CONTROL] * len(CONTROL_TOKENS)
         + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
     )
+    if fim:
+        fim_ids = range(len(vocab), len(vocab) + len(FIM_TOKENS))
+        vocab = [*vocab, *FIM_TOKENS]
+        token_types += [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
+        for key, token in zip((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
+                               gguf.Keys.Tokenizer.FIM_MID_ID), fim_ids, strict=True):
+            writer.add_uint32(key, token)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(vocab)
@@ -387,11 +397,15 @@ def write_tiny_qwen3_gguf(
     name: str = "tiny-qwen3",
     chat_template: str | None = None,
     quantize: bool = True,
+    fim: bool = False,
 ) -> pathlib.Path:
     """Write the tiny Qwen3 model to ``path`` and return it as a Path.
 
     Same seed, same bytes.  The file is written next to its destination and
     renamed into place, so a reader never sees a half-written model.
+
+    With ``fim``, the vocabulary ends with fill-in-the-middle tokens (FIM_TOKENS), named
+    in the metadata as llama.cpp reads them.
 
     With ``quantize`` (the default) the matrices are stored as Q8_0, like the
     quantized GGUFs people run: llama.cpp then takes the same (batch-invariant)
@@ -402,8 +416,9 @@ def write_tiny_qwen3_gguf(
     writer = gguf.GGUFWriter(partial, arch="qwen3")
     file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
     _add_hparams(writer, name, n_ctx_train, file_type)
-    _add_tokenizer(writer, CHAT_TEMPLATE if chat_template is None else chat_template)
-    for tensor_name, tensor in _all_tensors(seed, len(tiny_vocab())).items():
+    _add_tokenizer(writer, CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
+    n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0)
+    for tensor_name, tensor in _all_tensors(seed, n_vocab).items():
         if quantize and tensor.ndim == 2:
             q8 = gguf.GGMLQuantizationType.Q8_0
             writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, q8), raw_dtype=q8)

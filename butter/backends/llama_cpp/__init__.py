@@ -4,7 +4,7 @@
   its logits (butter's output projection, checked against llama.cpp's at load).
 - `stepping`: a step's works laid into the batch, shaped, evaluated, redone if split.
 - `sampling`: per-sequence sampler chains, the grammar veto, the candidates.
-- `grammars`: output constraints as GBNF, checked and compiled once each.
+- `grammars`: output constraints as llguidance matchers, compiled once each.
 - `backend`: `LlamaCppBackend`, the `Backend` these make, on its own thread.
 
 llama_cpp (and its shared library) loads on first use of `LlamaCppBackend`, not when this

@@ -19,10 +19,10 @@ from butter.backends.base import (
     CopyPrefix,
     KvOp,
     RemoveTokens,
-    Sampled,
     SeqWork,
     SetSampler,
     ShiftPositions,
+    StepResult,
     apply_kv_ops,
 )
 from butter.backends.llama_cpp.loading import LlamaModel
@@ -104,14 +104,14 @@ class LlamaCppBackend:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         return self.submit_step(ops, works).result()
 
-    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[StepResult]]:
         """`step` on the backend's thread; the engine awaits the future."""
         return self._worker.submit(self._step, ops, works)
 
-    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         apply_kv_ops(self, ops)
         return self.stepper.run(works)
 

@@ -1,59 +1,121 @@
-"""Output constraints as llama.cpp grammars: GBNF from llama-cpp-python's JSON-schema
-converter (the one llama.cpp's server ships), checked by llama.cpp, compiled once each."""
+"""Output constraints on llama.cpp: llguidance matchers over the GGUF's vocabulary, the same
+engine, grammar and options as on MLX (butter/backends/constraints.py), compiled once per
+distinct constraint, a copy per request."""
 
 from __future__ import annotations
 
-import re
+import ctypes
+import json
+import logging
+import threading
 from typing import Any
 
 import llama_cpp as ll
-from llama_cpp.llama_grammar import json_schema_to_gbnf
+import numpy as np
 
-from butter.backends.constraints import CompiledConstraints
-from butter.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from butter.backends.constraints import (
+    CompiledConstraints,
+    allowed_tokens,
+    constraint_grammar,
+    permits,
+    start_matcher,
+)
+from butter.backends.llama_cpp.loading import LlamaModel
 from butter.sampling import OutputConstraint
 
-_ROOT_RULE = re.compile(r"^root ::=", re.MULTILINE)
+log = logging.getLogger(__name__)
+
+PIECE_BYTES = 16 * 1024  # the longest token text read (llguidance.llamacpp's limit too)
 
 
-def constraint_gbnf(constraint: OutputConstraint) -> str:
-    """The constraint as GBNF; ValueError when the schema cannot be converted."""
-    try:
-        body = str(json_schema_to_gbnf(constraint.schema_json))
-    except Exception as exc:  # the converter asserts, and fails in other ways, on bad input
-        raise ValueError(f"cannot turn this JSON schema into a grammar: {exc}") from None
-    if not constraint.tool_call:
-        return body
-    call = _ROOT_RULE.sub("call ::=", body)
-    return f'root ::= "{TOOL_CALL_OPEN}" "\\n" call "\\n" "{TOOL_CALL_CLOSE}"\n' + call
+class LlguidanceGrammars:
+    """Constraints to llguidance matchers for one loaded GGUF.
 
+    llguidance's view of the vocabulary takes a second or two to build on a large one
+    (1.5 s for Gemma 3's 262k tokens), so it is built on a thread of its own while the
+    model finishes loading, not in the first constrained request; `close` waits for it
+    (it reads the vocabulary, which is freed with the model)."""
 
-class GbnfGrammars:
-    """Constraints to grammar samplers for one vocabulary: converted and checked once per
-    distinct constraint (any thread), a fresh sampler per request (the backend's thread)."""
-
-    def __init__(self, vocab: Any) -> None:
-        self._vocab = vocab
-        self._checked = CompiledConstraints(self._compile)
+    def __init__(self, model: LlamaModel) -> None:
+        self._model = model
+        self._compiled: CompiledConstraints[Any] = CompiledConstraints(self._compile)
+        self._tokenizer: Any = None
+        self._end_of_generation: frozenset[int] = frozenset()
+        self._building = threading.Lock()
+        self._builder = threading.Thread(target=self._build_early, name="butter-llguidance",
+                                         daemon=True)
+        self._builder.start()
 
     def check(self, constraint: OutputConstraint) -> None:
-        """ValueError (for the client) when llama.cpp cannot follow this constraint."""
-        self._checked.get(constraint)
+        """ValueError (for the client) when llguidance cannot follow this constraint."""
+        self._compiled.get(constraint)
 
-    def new_sampler(self, constraint: OutputConstraint) -> Any:
-        """A grammar sampler in its start state (free it with llama_sampler_free)."""
-        sampler = self._init(self._checked.get(constraint))
-        if not sampler:
-            raise ValueError("llama.cpp rejected the grammar")
-        return sampler
+    def matcher(self, constraint: OutputConstraint) -> Any:
+        """A matcher in its start state (ValueError as `check`)."""
+        return self._compiled.get(constraint).deep_copy()
 
-    def _compile(self, constraint: OutputConstraint) -> str:
-        gbnf = constraint_gbnf(constraint)
-        sampler = self._init(gbnf)
-        if not sampler:
-            raise ValueError("llama.cpp rejected the grammar")
-        ll.llama_sampler_free(sampler)
-        return gbnf
+    def permits(self, matcher: Any, token: int) -> bool:
+        """Whether the matcher allows `token` next (a few microseconds)."""
+        return permits(matcher, token, self._end_of_generation)
 
-    def _init(self, gbnf: str) -> Any:
-        return ll.llama_sampler_init_grammar(self._vocab, gbnf.encode(), b"root")
+    def allowed(self, matcher: Any) -> Any:
+        """The ids of the tokens the matcher allows next (its whole-vocabulary mask:
+        0.1-0.3 ms on 262k tokens)."""
+        return np.flatnonzero(allowed_tokens(matcher, self._model.info.n_vocab))
+
+    def tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, its end-of-generation tokens included."""
+        with self._building:
+            if self._tokenizer is None:
+                self._tokenizer = self._read_vocabulary()
+            return self._tokenizer
+
+    def close(self) -> None:
+        self._builder.join()
+
+    def _read_vocabulary(self) -> Any:
+        """What llguidance.llamacpp's `lltokenizer_from_vocab` builds (each token's bytes,
+        after a 0xff byte for those llguidance treats as special: control tokens, and
+        user-defined ones spelled `<...>`), with every end-of-generation token as an end,
+        and without its deprecated llama.cpp call, which warns once per token."""
+        from llguidance import LLTokenizer
+
+        model, vocab = self._model, self._model.vocab
+        control, user_defined = ll.LLAMA_TOKEN_ATTR_CONTROL, ll.LLAMA_TOKEN_ATTR_USER_DEFINED
+        buffer = ctypes.create_string_buffer(PIECE_BYTES)  # (not the model's: other threads)
+        pieces, end = [], []
+        for token in range(model.info.n_vocab):
+            length = ll.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, True)
+            if length < 0:
+                raise ValueError(f"token {token} is longer than {PIECE_BYTES} bytes")
+            piece = ctypes.string_at(buffer, length)
+            attributes = ll.llama_vocab_get_attr(vocab, token)
+            if attributes & control or (attributes & user_defined
+                                        and piece.startswith(b"<") and piece.endswith(b">")):
+                piece = b"\xff" + piece
+            pieces.append(piece)
+            if model.is_end_of_generation(token):
+                end.append(token)
+        self._end_of_generation = frozenset(end)
+        # (llguidance tokenizes text with llama.cpp's own; missing from its type stubs)
+        return LLTokenizer.from_llamacpp(  # type: ignore[attr-defined]
+            tokens=pieces, vocab_ptr=vocab, eos_token=end,
+            tokenize_fptr=ctypes.cast(ll.llama_tokenize, ctypes.c_void_p).value)
+
+    def _build_early(self) -> None:
+        try:
+            self.tokenizer()
+        except Exception:  # (it fails again, and is reported, where it is needed)
+            log.exception("could not read the vocabulary for grammar-constrained output")
+
+    def _compile(self, constraint: OutputConstraint) -> Any:
+        return start_matcher(self.tokenizer(), constraint_grammar(constraint, self._marker))
+
+    def _marker(self, marker: str) -> str:
+        """The tool-call marker as the vocabulary's single token for it where llguidance
+        treats that token as special (a control token, or a user-defined `<...>` one), else
+        as a string literal."""
+        tokens = self._model.tokenize(marker, add_bos=False)
+        if len(tokens) == 1 and self.tokenizer().is_special_token(tokens[0]):
+            return f"<[{tokens[0]}]>"
+        return json.dumps(marker)

@@ -120,7 +120,13 @@ class LlamaModel:
                 ll.llama_model_is_recurrent(self.model) or ll.llama_model_is_hybrid(self.model)
             ),
             size_bytes=int(ll.llama_model_size(self.model)),
+            fim_tokens=self._fim_tokens(),
         )
+
+    def _fim_tokens(self) -> tuple[int, int, int] | None:
+        tokens = (int(ll.llama_vocab_fim_pre(self.vocab)), int(ll.llama_vocab_fim_suf(self.vocab)),
+                  int(ll.llama_vocab_fim_mid(self.vocab)))
+        return tokens if min(tokens) >= 0 else None
 
     def _meta(self, key: str) -> str | None:
         buffer = ctypes.create_string_buffer(4096)

@@ -7,16 +7,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 import llama_cpp as ll
 
-from butter.backends.base import BackendError, Sampled, SeqWork
+from butter.backends.base import BackendError, Scored, SeqWork, StepResult
 from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.lmhead import Verdict
+from butter.backends.logprobs import token_logprobs
 from butter.backends.shaping import Shape, StepShaper, padded_outputs
+from butter.chat.request import Logprobs
 
 # (seq, batch row, output ordinal) of a row to sample
 SampleRow = tuple[int, int, int]
+
+
+@attrs.frozen
+class ScoreRow:
+    """A prompt row whose logits score the prompt's next token."""
+
+    seq: int
+    row: int
+    ordinal: int
+    target: int
+    top: int
 
 
 class Stepper:
@@ -30,7 +44,7 @@ class Stepper:
         self.redone_steps = 0  # steps evaluated again because llama.cpp split them
         self._decode_seconds = 0.0  # llama_decode time of the current step
 
-    def run(self, works: list[SeqWork]) -> list[Sampled]:
+    def run(self, works: list[SeqWork]) -> list[StepResult]:
         """Evaluate the works in the shape the shaper chooses; their sampled tokens."""
         if not works:
             return []
@@ -39,7 +53,8 @@ class Stepper:
         shape = self.shaper.choose(outputs, decode_only=decode_only)
         self._decode_seconds = 0.0
         if shape is Shape.SPLIT:
-            sampled = [s for work in works for s in self.decode([work], outputs=0)]
+            sampled: list[StepResult] = [
+                s for work in works for s in self.decode([work], outputs=0)]
         else:
             wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
             sampled = self.decode(works, outputs=wanted)
@@ -47,10 +62,11 @@ class Stepper:
             self.shaper.observe(outputs, shape, self._decode_seconds)
         return sampled
 
-    def decode(self, works: list[SeqWork], *, outputs: int) -> list[Sampled]:
-        """One llama_decode of these works (logits on at least `outputs` rows), sampled."""
+    def decode(self, works: list[SeqWork], *, outputs: int) -> list[StepResult]:
+        """One llama_decode of these works (logits on at least `outputs` rows), sampled
+        (and scored, for works that ask)."""
         model = self._model
-        sample_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
+        sample_rows, score_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
         head = model.lm_head
         status, verdict = self._evaluate(head is not None and n_outputs <= head.rows, n_outputs)
         if status == 0 and verdict is Verdict.NEITHER:
@@ -65,7 +81,19 @@ class Stepper:
             ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
-        return self._samplers.sample_rows(sample_rows, ours=self.ours)
+        sampled: list[StepResult] = list(self._samplers.sample_rows(sample_rows, ours=self.ours))
+        return sampled + self._scored(score_rows)
+
+    def _scored(self, rows: list[ScoreRow]) -> list[StepResult]:
+        """Each scoring work's logprobs, from its rows' logits."""
+        model, head = self._model, self._model.lm_head
+        by_seq: dict[int, list[Logprobs]] = {}
+        for r in rows:
+            logits = (head.row(r.ordinal) if self.ours and head is not None
+                      else model.llama_logits(r.row))
+            by_seq.setdefault(r.seq, []).append(
+                token_logprobs(logits, r.target, r.top, model.piece))
+        return [Scored(seq, tuple(logprobs)) for seq, logprobs in by_seq.items()]
 
     def _evaluate(self, armed: bool, n_outputs: int) -> tuple[int, Verdict]:
         """llama_decode of the filled batch, butter's projection armed or not."""
@@ -92,11 +120,11 @@ class Stepper:
 
     def _fill_batch(
         self, works: list[SeqWork], *, outputs: int = 0,
-    ) -> tuple[list[SampleRow], int, bool]:
+    ) -> tuple[list[SampleRow], list[ScoreRow], int, bool]:
         """Write the works into the batch.
 
-        Returns the rows to sample, the number of rows with logits, and whether scratch
-        rows were added.
+        Returns the rows to sample, the rows that score a prompt token, the number of rows
+        with logits, and whether scratch rows were added.
 
         `outputs`: request logits on at least this many rows (see butter.backends.shaping),
         first on rows that need none, then on scratch rows."""
@@ -119,6 +147,7 @@ class Stepper:
         seq_id, logits = batch.seq_id, batch.logits
         row = n_outputs = 0
         sample_rows: list[SampleRow] = []
+        score_rows: list[ScoreRow] = []
         for work in works:
             last = len(work.tokens) - 1
             for offset, tok in enumerate(work.tokens):
@@ -127,16 +156,21 @@ class Stepper:
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset == last
-                output = wants or spare_outputs > 0
+                target = work.tokens[offset + 1] if offset < last else work.next_token
+                scores = work.score is not None and target is not None
+                output = wants or scores or spare_outputs > 0
                 logits[row] = output
                 if wants:
                     sample_rows.append((work.seq, row, n_outputs))
-                elif spare_outputs > 0:
+                if scores:
+                    assert work.score is not None and target is not None
+                    score_rows.append(ScoreRow(work.seq, row, n_outputs, target, work.score))
+                if not (wants or scores) and spare_outputs > 0:
                     spare_outputs -= 1
                 n_outputs += output
                 row += 1
         batch.n_tokens = row
-        return sample_rows, n_outputs, padding > 0
+        return sample_rows, score_rows, n_outputs, padding > 0
 
     def step_logits(self, row: int) -> Any:
         """A copy of the logits batch row `row` of the last decode was sampled from."""

@@ -11,17 +11,21 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from butter.backends.base import (
     BackendError,
     CopyPrefix,
     KvOp,
     RemoveTokens,
-    Sampled,
+    Scored,
     SeqWork,
     SetSampler,
     ShiftPositions,
+    StepResult,
     apply_kv_ops,
 )
+from butter.backends.logprobs import token_logprobs
 from butter.backends.mlx.grammars import LlguidanceGrammars
 from butter.backends.mlx.loading import MlxModel
 from butter.backends.mlx.sampling import Samplers
@@ -83,25 +87,35 @@ class MlxBackend:
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+    def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         return self.submit_step(ops, works).result()
 
-    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[Sampled]]:
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[StepResult]]:
         """`step` on the mlx thread; the engine awaits the future."""
         return self._worker.submit(self._step, ops, works)
 
-    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[Sampled]:
+    def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         try:
             apply_kv_ops(self, ops)
             logits = self.caches.logits(works)
-            sampled = [self.samplers.sample(work.seq, logits[work.seq])
-                       for work in works if work.sample]
+            sampled: list[StepResult] = [self.samplers.sample(work.seq, logits[work.seq])
+                                         for work in works if work.sample]
+            sampled += [self._scored(work) for work in works if work.score is not None]
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 self._settle()
             raise
         self._settle()
         return sampled
+
+    def _scored(self, work: SeqWork) -> Scored:
+        """The prompt chunk's logprobs: of each token after the first, then of the next."""
+        assert work.score is not None
+        rows = np.array(self.caches.prompt_logits[work.seq].astype(self.model.mx.float32))
+        targets = [*work.tokens[1:], work.next_token]
+        return Scored(work.seq, tuple(
+            token_logprobs(rows[offset], target, work.score, self.model.piece)
+            for offset, target in enumerate(targets) if target is not None))
 
     def _settle(self) -> None:
         """Evaluate every lazy array the step left behind (merged, filtered or copied caches,

@@ -41,6 +41,14 @@ def _quantized_kv(kv_type: KvCacheType) -> int | None:
     return {GGML_Q8_0: 8, GGML_Q4_0: 4}.get(kv_type.ggml_type)
 
 
+# Fill-in-the-middle token names (prefix, suffix, middle): Qwen2.5-Coder / StarCoder, CodeGemma.
+FIM_TOKEN_NAMES = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ("<|fim_begin|>", "<|fim_hole|>", "<|fim_end|>"),
+)
+
+
 class MlxModel:
     """mlx-lm's model and tokenizer for one checkpoint, and the caches it gets."""
 
@@ -101,7 +109,17 @@ class MlxModel:
             add_bos=False,  # HF chat templates render their own BOS
             is_recurrent=False,
             size_bytes=sum(f.stat().st_size for f in path.glob("*.safetensors")),
+            fim_tokens=self._fim_tokens(),
         )
+
+    def _fim_tokens(self) -> tuple[int, int, int] | None:
+        """The vocabulary's fill-in-the-middle tokens, by the names models use for them."""
+        vocab = self.tokenizer.get_vocab()
+        for names in FIM_TOKEN_NAMES:
+            if all(name in vocab for name in names):
+                prefix, suffix, middle = (int(vocab[name]) for name in names)
+                return prefix, suffix, middle
+        return None
 
     # ------------------------------------------------------------------ the KV cache
 

@@ -11,10 +11,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import attrs
+import numpy as np
 
 from butter.backends.base import Sampled
+from butter.backends.logprobs import token_logprobs
 from butter.backends.mlx.grammars import LlguidanceGrammars
 from butter.backends.mlx.loading import MlxModel
+from butter.chat.request import Logprobs
 from butter.sampling import SamplingParams
 
 log = logging.getLogger("butter")
@@ -35,6 +38,14 @@ def penalize(mx: Any, logits: Any, recent: Iterable[int], params: SamplingParams
     penalized = logits.astype(mx.float32)
     penalized[ids] = seen
     return penalized
+
+
+def bias_logits(mx: Any, logits: Any, bias: tuple[tuple[int, float], ...]) -> Any:
+    """The request's logit bias added first, as llama.cpp's chain does (-inf bans)."""
+    ids = mx.array([token for token, _ in bias])
+    biased = logits.astype(mx.float32)
+    biased[ids] = biased[ids] + mx.array([value for _, value in bias], dtype=mx.float32)
+    return biased
 
 
 def filter_logits(mx: Any, logits: Any, params: SamplingParams) -> Any:
@@ -100,6 +111,9 @@ class Samplers:
         if sampler.unusable is not None:
             return Sampled(seq=seq, token=-1, piece=b"", end_of_generation=True,
                            error=sampler.unusable)
+        raw = logits
+        if sampler.params.logit_bias:
+            logits = bias_logits(self._mx, logits, sampler.params.logit_bias)
         if sampler.params.uses_penalties:
             logits = penalize(self._mx, logits, sampler.recent, sampler.params)
         matcher = sampler.matcher
@@ -114,7 +128,15 @@ class Samplers:
         if matcher is not None and not matcher.consume_token(token):
             return self._grammar_failed(seq)
         return Sampled(seq=seq, token=token, piece=self._model.piece(token),
-                       end_of_generation=token in self._model.end_of_generation)
+                       end_of_generation=token in self._model.end_of_generation,
+                       logprobs=self._logprobs(raw, token, sampler.params.logprobs))
+
+    def _logprobs(self, raw: Any, token: int, top: int | None) -> Logprobs | None:
+        """From the model's raw logits, as on llama.cpp (butter/backends/logprobs.py)."""
+        if top is None:
+            return None
+        values = np.array(raw.astype(self._mx.float32))
+        return token_logprobs(values, token, top, self._model.piece)
 
     def _draw(self, sampler: SessionSampler, logits: Any) -> int:
         mx, params = self._mx, sampler.params

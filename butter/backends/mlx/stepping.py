@@ -39,6 +39,8 @@ class SessionCaches:
         self._caches: dict[int, list[Any]] = {}
         self._lengths: dict[int, int] = {}  # positions each session's cache holds
         self._batch: DecodeBatch | None = None
+        # This step's every-row logits of works that score their prompt (SeqWork.score).
+        self.prompt_logits: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ cache edits
 
@@ -102,7 +104,9 @@ class SessionCaches:
     # ------------------------------------------------------------------ forward passes
 
     def logits(self, works: list[SeqWork]) -> dict[int, Any]:
-        """Evaluate the works; the last position's logits by seq."""
+        """Evaluate the works; the last position's logits by seq (and every position's,
+        in prompt_logits, for works that score their prompt)."""
+        self.prompt_logits = {}
         decoding = [work for work in works if not work.prompt]
         logits: dict[int, Any] = {}
         if self.can_batch and decoding:
@@ -118,8 +122,11 @@ class SessionCaches:
             cache = self._caches[work.seq] = self._model.new_cache()
         self._check_position(work)
         inputs = self._mx.array([list(work.tokens)])
-        logits = self._model.model(inputs, cache=cache)[0, -1]
+        every = self._model.model(inputs, cache=cache)[0]
+        logits = every[-1]
         self._mx.eval(logits, [layer.state for layer in cache])
+        if work.score is not None:  # every row's logits, to score the prompt
+            self.prompt_logits[work.seq] = every
         self._lengths[work.seq] = work.start + len(work.tokens)
         return logits
 

@@ -1,0 +1,172 @@
+"""POST /v1/completions: raw prompts through the pipeline, legacy text_completion bodies.
+
+Choices are numbered prompt by prompt: prompt i's `n` choices are i*n ... i*n + n-1.
+Streams send each choice's chunks in turn (clients reassemble by `index`)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import trio
+
+from butter.chat.markup import ContentDelta
+from butter.chat.request import Logprobs, TextPrompt, Usage
+from butter.engine.engine import Generation
+from butter.errors import ButterError
+from butter.pipeline.output import LogprobsDelta, OutputAssembler
+from butter.pipeline.prepare import PreparedGeneration
+from butter.pipeline.resident import ResidentModel
+from butter.pipeline.run import (
+    RequestObserver,
+    finish_reason,
+    generated_events,
+    running_choices,
+    usage,
+)
+from butter.protocol import completions as wire
+from butter.protocol import openai
+from butter.protocol.sse import DONE, data_event
+from butter.server.coalesce import FrameCoalescer
+
+
+def new_completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def _echo(prepared: PreparedGeneration, echo: bool) -> str:
+    prompt = prepared.request.prompt
+    return prompt.text if echo and isinstance(prompt, TextPrompt) else ""
+
+
+async def complete(
+    resident: ResidentModel, prepared: list[PreparedGeneration], *, echo: bool,
+    observer: RequestObserver | None = None,
+) -> dict[str, Any]:
+    choices: list[dict[str, Any]] = []
+    usages: list[Usage] = []
+    async with trio.open_nursery() as nursery:
+        for prompt_index, one in enumerate(prepared):
+            nursery.start_soon(_complete_prompt, resident, one, prompt_index * one.request.n,
+                               echo, observer, choices, usages)
+    choices.sort(key=lambda choice: int(choice["index"]))
+    return wire.completion_body(
+        completion_id=new_completion_id(), model=resident.model_id, created=openai.now(),
+        choices=choices, usage=_total(usages))
+
+
+async def _complete_prompt(
+    resident: ResidentModel, prepared: PreparedGeneration, first: int, echo: bool,
+    observer: RequestObserver | None, choices: list[dict[str, Any]], usages: list[Usage],
+) -> None:
+    """One prompt's choices, numbered from `first`."""
+    if prepared.max_tokens == 0 and prepared.request.score_prompt is None:  # echo only
+        choices.append(wire.choice_body(first, _echo(prepared, echo), "length", None))
+        usages.append(Usage(len(prepared.prompt), 0, 0))
+        return
+    async with running_choices(resident, prepared, observer) as generations:
+        for offset, generation in enumerate(generations):
+            choices.append(await _choice(prepared, generation, generations[0],
+                                         first + offset, echo, observer))
+    usages.append(usage(*generations))
+
+
+async def _choice(prepared: PreparedGeneration, generation: Generation, scorer: Generation,
+                  index: int, echo: bool, observer: RequestObserver | None
+                  ) -> dict[str, Any]:
+    assembler = OutputAssembler(prepared)
+    text = [_echo(prepared, echo)]
+    logprobs: list[Logprobs] = []
+    async for event in generated_events(generation, assembler, observer=observer):
+        if isinstance(event, LogprobsDelta):
+            logprobs.extend(event.entries)
+        elif isinstance(event, ContentDelta):  # (a raw prompt's output is text only)
+            text.append(event.text)
+    reason = finish_reason(generation, assembler)
+    if prepared.params.logprobs is None:
+        return wire.choice_body(index, "".join(text), reason, None)
+    if prepared.request.score_prompt is None:
+        return wire.choice_body(index, "".join(text), reason,
+                                wire.logprobs_body(logprobs, len(text[0])))
+    prompt = scorer.prompt_logprobs  # the echoed prompt's own, then the generated tokens'
+    body = wire.logprobs_body([*prompt, *logprobs], 0,
+                              first_token=wire.first_token_text(text[0], prompt))
+    return wire.choice_body(index, "".join(text), reason, body)
+
+
+def _total(usages: list[Usage]) -> Usage:
+    return Usage(sum(u.prompt_tokens for u in usages),
+                 sum(u.completion_tokens for u in usages),
+                 sum(u.cached_tokens for u in usages))
+
+
+async def stream(
+    resident: ResidentModel, prepared: list[PreparedGeneration], *, echo: bool,
+    include_usage: bool, flush_interval: float = 0.0,
+    observer: RequestObserver | None = None,
+) -> AsyncIterator[bytes]:
+    frames = FrameCoalescer(flush_interval)
+    completion_id, created = new_completion_id(), openai.now()
+    usages: list[Usage] = []
+
+    def chunk(index: int, text: str, reason: Any = None,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        return data_event(wire.completion_body(
+            completion_id=completion_id, model=resident.model_id, created=created,
+            choices=[wire.choice_body(index, text, reason, logprobs)], usage=None))
+
+    try:
+        for prompt_index, one in enumerate(prepared):
+            first = prompt_index * one.request.n
+            if one.max_tokens == 0 and one.request.score_prompt is None:
+                yield chunk(first, _echo(one, echo), "length")
+                usages.append(Usage(len(one.prompt), 0, 0))
+                continue
+            async with running_choices(resident, one, observer) as generations:
+                for offset, generation in enumerate(generations):
+                    index, written = first + offset, len(_echo(one, echo))
+                    logged = written  # where the tokens of the next logprobs begin
+                    echoed = not echo
+                    assembler = OutputAssembler(one)
+                    async for event in generated_events(generation, assembler,
+                                                        observer=observer):
+                        if not echoed:  # (the prompt's scores are known from here on)
+                            echoed = True
+                            yield _echo_chunk(chunk, index, one, generations[0])
+                        if isinstance(event, LogprobsDelta):
+                            body = wire.logprobs_body(list(event.entries), logged)
+                            frame, logged = chunk(index, "", logprobs=body), written
+                        elif isinstance(event, ContentDelta):
+                            frame, written = chunk(index, event.text), written + len(event.text)
+                        else:
+                            continue  # a heartbeat
+                        ready = frames.add(frame)
+                        if ready:
+                            yield ready
+                    if not echoed:
+                        frames.add(_echo_chunk(chunk, index, one, generations[0]))
+                    ready = frames.add(chunk(index, "", finish_reason(generation, assembler)))
+                    if ready:
+                        yield ready
+            usages.append(usage(*generations))
+    except ButterError as exc:  # after the headers went out: end cleanly, then say why
+        yield frames.take() + data_event(exc.openai_body()) + DONE
+        return
+    tail = frames.take()
+    if include_usage:
+        tail += data_event(wire.completion_body(
+            completion_id=completion_id, model=resident.model_id, created=created,
+            choices=[], usage=_total(usages)))
+    yield tail + DONE
+
+
+def _echo_chunk(chunk: Callable[..., bytes], index: int, prepared: PreparedGeneration,
+                scorer: Generation) -> bytes:
+    """The echoed prompt, with its own logprobs when they were asked for."""
+    text = _echo(prepared, True)
+    if prepared.request.score_prompt is None:
+        return chunk(index, text)
+    prompt = scorer.prompt_logprobs
+    return chunk(index, text, logprobs=wire.logprobs_body(
+        prompt, 0, first_token=wire.first_token_text(text, prompt)))

@@ -1,0 +1,311 @@
+"""Clients that stop reading, too many connections, and what they leave behind (issue 21).
+
+The write deadline is checked twice: on GuardedStream itself over loopback sockets (exact
+and quick), and on real servers with raw sockets that never read, read slowly, or just sit
+there. Afterwards the server holds no more file descriptors than before and no work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from butter.server.connections import GuardedStream
+from tests.conftest import ServerProcess
+
+WRITE_TIMEOUT = 2.0
+ON_LINUX = sys.platform.startswith("linux")
+needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(),
+                                reason="counts descriptors in /proc/<pid>/fd")
+
+
+def peer_closed(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """A reset or FIN from the other side, seen without reading what is buffered."""
+    poller = select.poll()
+    rdhup = getattr(select, "POLLRDHUP", 0)  # Linux: a FIN behind unread data
+    poller.register(sock.fileno(), rdhup | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
+
+
+# --- GuardedStream on its own -------------------------------------------------------------
+
+
+async def stream_pair(
+    client_rcvbuf: int = 4096, server_sndbuf: int = 16384,
+) -> tuple[trio.SocketStream, trio.socket.SocketType]:
+    """(server side, client socket); small buffers so writes block soon."""
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    client = trio.socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, client_rcvbuf)
+    async with listener:
+        await client.connect(listener.socket.getsockname())
+        server = await listener.accept()
+    server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, server_sndbuf)
+    return server, client
+
+
+async def test_a_write_gives_up_on_a_client_that_reads_nothing() -> None:
+    server, client = await stream_pair()
+    abandoned: list[bool] = []
+    guarded = GuardedStream(server, 0.5, lambda: abandoned.append(True))
+    with client, trio.fail_after(10):  # the deadline, plus time to fill the buffers
+        with pytest.raises(trio.BrokenResourceError):
+            await guarded.send_all(b"x" * (8 << 20))
+        assert abandoned == [True]
+        assert server.socket.fileno() == -1  # closed: hypercorn's reader wakes up
+        while not peer_closed(client):  # a reset, though nothing was read  # noqa: ASYNC110
+            await trio.sleep(0.01)
+
+
+async def test_a_slow_steady_reader_is_never_cut() -> None:
+    """Reads of 4 KiB every 0.2 s, for several times the 1 s deadline: never cut, even
+    while the socket stays unwritable (Linux wakes writers once a third of the buffer is
+    free; the send queue shows the progress sooner)."""
+    server, client = await stream_pair()
+    payload = os.urandom(128 * 1024)
+    abandoned: list[bool] = []
+    guarded = GuardedStream(server, 1.0, lambda: abandoned.append(True))
+    received = bytearray()
+
+    async def read_slowly() -> None:
+        while len(received) < len(payload):
+            await trio.sleep(0.2)
+            received.extend(await client.recv(4096))
+
+    start = time.monotonic()
+    with client, trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_slowly)
+            await guarded.send_all(payload)
+    assert bytes(received) == payload and not abandoned
+    assert time.monotonic() - start > 3  # it did take several deadlines' time
+    await guarded.aclose()
+
+
+async def test_no_write_timeout_writes_as_the_socket_stream_does() -> None:
+    server, client = await stream_pair()
+    guarded = GuardedStream(server, 0, lambda: None)
+    with client:
+        await guarded.send_all(b"hello")
+        assert await client.recv(5) == b"hello"
+        await guarded.send_eof()
+        assert await client.recv(5) == b""
+    await guarded.aclose()
+
+
+# --- on a real server ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_gguf: Path) -> Iterator[ServerProcess]:
+    server = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny", "--parallel", "3",
+                            "--max-context", "4096", "--stream-flush-ms", "0",
+                            "--write-timeout", str(WRITE_TIMEOUT)])
+    yield server
+    server.stop()
+
+
+def address(server: ServerProcess) -> tuple[str, int]:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def open_fds(server: ServerProcess) -> int:
+    return len(os.listdir(f"/proc/{server.process.pid}/fd"))
+
+
+def fd_links(server: ServerProcess) -> list[str]:
+    folder = Path(f"/proc/{server.process.pid}/fd")
+    return sorted(os.readlink(folder / name) for name in os.listdir(folder))
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    text = get(server, "/metrics").text
+    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    assert match, name
+    return float(match.group(1))
+
+
+def get(server: ServerProcess, path: str) -> httpx.Response:
+    """A GET on a connection the server closes at once: a kept-alive one would hold a
+    descriptor for the keep-alive timeout (5 s), even after this side closed it."""
+    return httpx.get(f"{server.base_url}{path}", headers={"Connection": "close"}, timeout=60)
+
+
+def work(server: ServerProcess) -> tuple[int, int, int]:
+    stats = get(server, "/v1/server").json()["engine"]
+    return stats["active"], stats["queued"], stats["reserved_cells"]
+
+
+def idle_fds(server: ServerProcess) -> int:
+    """The server's descriptors with no work and no client connection open."""
+    assert work(server) == (0, 0, 0)
+    time.sleep(0.5)  # the server closes that request's connection
+    return open_fds(server)
+
+
+def assert_nothing_left(server: ServerProcess, baseline_fds: int | None) -> None:
+    """No work in the engine and (on Linux) no more descriptors than the baseline, once
+    the keep-alive timeout (5 s) has closed what clients left idle."""
+    deadline = time.monotonic() + 30
+    while (left := work(server)) != (0, 0, 0):
+        assert time.monotonic() < deadline, f"active, queued, reserved: {left}"
+        time.sleep(0.2)
+    while baseline_fds is not None and open_fds(server) > baseline_fds:
+        assert time.monotonic() < deadline, (baseline_fds, fd_links(server))
+        time.sleep(0.2)
+
+
+def streaming_request(max_tokens: int, content: str = "go on") -> bytes:
+    body = json.dumps({"messages": [{"role": "user", "content": content}],
+                       "max_tokens": max_tokens, "stream": True}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def non_reader(server: ServerProcess, max_tokens: int) -> socket.socket:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(address(server))
+    sock.sendall(streaming_request(max_tokens))
+    return sock
+
+
+@needs_proc
+def test_non_reading_streamers_are_closed_and_their_requests_cancelled(
+    guarded_server: ServerProcess,
+) -> None:
+    server = guarded_server
+    baseline = idle_fds(server)
+    abandoned = metric(server, "butter_abandoned_responses_total")
+    cancelled = metric(server, "butter_cancellations_total")
+    log_start = len(server.output)
+    sockets = [non_reader(server, 2000) for _ in range(3)]  # all three fit the KV pool
+    try:
+        deadline = time.monotonic() + 120  # generation until the buffers fill, then 2 s
+        while not all(peer_closed(sock) for sock in sockets):
+            assert time.monotonic() < deadline, "a client that reads nothing was kept"
+            time.sleep(0.1)
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert metric(server, "butter_abandoned_responses_total") == abandoned + 3
+    assert metric(server, "butter_cancellations_total") == cancelled + 3
+    finished = [line for line in server.output[log_start:] if "finish=" in line]
+    completions = [int(re.search(r"completion=(\d+)", line).group(1))  # type: ignore[union-attr]
+                   for line in finished]
+    assert len(finished) == 3 and all("cancelled=True" in line for line in finished)
+    assert all(count < 2000 for count in completions)  # cut while still generating
+    assert_nothing_left(server, baseline)
+
+
+@pytest.mark.skipif(not ON_LINUX, reason="progress is read from the send queue on Linux")
+def test_a_slow_reader_on_the_server_is_never_cut(guarded_server: ServerProcess) -> None:
+    """2 KiB read every half second from a 4 KiB receive buffer, slower than the tiny
+    model writes: the server's writes stay blocked for several write timeouts, yet every
+    read is progress, so the stream is never cut."""
+    server = guarded_server
+    abandoned = metric(server, "butter_abandoned_responses_total")
+    log_start = len(server.output)
+    sock = non_reader(server, 600)  # ~90 KiB of SSE: twice what the socket buffers hold
+    received = bytearray()
+    with sock:
+        sock.settimeout(30)
+        while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk
+            time.sleep(0.5)
+            chunk = sock.recv(2048)
+            assert chunk, "closed before the end: " + received[-300:].decode(errors="replace")
+            received.extend(chunk)
+    assert received.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in received
+    assert metric(server, "butter_abandoned_responses_total") == abandoned
+    finished = next(line for line in server.output[log_start:] if "finish=" in line)
+    duration = float(re.search(r"duration=(\S+)", finished).group(1))  # type: ignore[union-attr]
+    assert duration > 2 * WRITE_TIMEOUT and "cancelled=False" in finished  # it was slow
+
+
+@needs_proc
+def test_a_mix_of_hostile_clients_leaves_nothing_behind(
+    guarded_server: ServerProcess,
+) -> None:
+    """Non-readers, half-sent headers, idle sockets and mid-stream hang-ups at once."""
+    server = guarded_server
+    baseline = idle_fds(server)
+    request = streaming_request(400)
+    sockets = [non_reader(server, 2000) for _ in range(2)]
+    for _ in range(3):
+        half = socket.create_connection(address(server))
+        half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        idle = socket.create_connection(address(server))
+        hang_up = socket.create_connection(address(server))
+        hang_up.sendall(request)
+        hang_up.recv(100)
+        sockets += [half, idle, hang_up]
+    sockets[-1].close()  # a hang-up mid-stream
+    time.sleep(1)
+    ok = httpx.post(f"{server.api}/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4},
+        headers={"Connection": "close"})
+    assert ok.status_code == 200  # meanwhile, normal requests are served
+    for sock in sockets:
+        sock.close()
+    assert_nothing_left(server, baseline)
+
+
+@needs_proc
+def test_connections_past_the_limit_get_503_at_once(tiny_gguf: Path) -> None:
+    server = ServerProcess(["--model", str(tiny_gguf), "--max-connections", "3"])
+    try:
+        baseline = idle_fds(server)
+        held = [socket.create_connection(address(server)) for _ in range(3)]
+        time.sleep(0.5)  # accepted
+        with socket.create_connection(address(server)) as extra:
+            extra.settimeout(10)
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while chunk := extra.recv(4096):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), reply[:200]
+        assert b"retry-after: 1" in head.lower()
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        held.pop().close()  # hypercorn lets go of it within the keep-alive timeout (5 s)
+        deadline = time.monotonic() + 15
+        while get(server, "/health").status_code == 503:
+            assert time.monotonic() < deadline, "a closed connection still counts"
+            time.sleep(0.5)
+        for sock in held:
+            sock.close()
+        assert metric(server, "butter_refused_connections_total") >= 1
+        assert_nothing_left(server, baseline)
+    finally:
+        server.stop()
+
+
+def test_write_timeout_and_max_connections_flags() -> None:
+    from butter.cli import build_parser, settings_from_args
+    from butter.settings import default_max_connections
+
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    settings = settings_from_args(args)
+    assert settings.write_timeout == 30.0
+    assert settings.max_connections == default_max_connections() >= 1
+    args = build_parser().parse_args(["serve", "--model", "m", "--write-timeout", "0",
+                                      "--max-connections", "7"])
+    settings = settings_from_args(args)
+    assert (settings.write_timeout, settings.max_connections) == (0.0, 7)
+    if ON_LINUX:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        assert default_max_connections() < soft  # room is left for the model and logs
