@@ -322,3 +322,28 @@ def test_suffix_fills_in_the_middle_where_the_model_can(
     refused = httpx.post(f"{demo_server.api}/completions", timeout=30,
                          json={"prompt": "x", "suffix": "y", "max_tokens": 2})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix"
+
+
+@pytest.mark.parametrize("kind", ["gguf", "mlx"])
+async def test_prompt_scoring_on_both_backends(kind: str, request: pytest.FixtureRequest) -> None:
+    """Every prompt token after the first gets its logprob, on either backend, and a
+    max_tokens of 0 generates nothing."""
+    path: Path = request.getfixturevalue(f"tiny_{kind}")
+    resident = ResidentModel.load_sync(ServeSettings(model=str(path), parallel=2,
+                                                     max_context=512, prefill_chunk=8))
+    try:
+        prompt = resident.tokenize_prompt("The quick brown fox jumps over the lazy dog.")
+        engine = Engine(resident.backend, parallel=2, max_context=512, prefill_chunk=8,
+                        max_queue=4)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(engine.run)
+            async with engine.generate_choices(prompt, [SamplingParams()], 0,
+                                               score=2) as (generation,):
+                pieces = [p async for batch in generation.pieces() for p in batch]
+            nursery.cancel_scope.cancel()
+    finally:
+        resident.close()
+    assert pieces == [] and generation.completion_tokens == 0
+    scored = generation.prompt_logprobs
+    assert [entry.chosen.token for entry in scored] == prompt[1:]  # across 8-token chunks
+    assert all(entry.chosen.logprob <= 0 and len(entry.top) == 2 for entry in scored)
