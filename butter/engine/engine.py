@@ -377,9 +377,10 @@ class Engine:
     def _record(self, works: list[SeqWork], results: list[StepResult]) -> None:
         by_seq = {s.seq: s for s in results if isinstance(s, Sampled)}
         for scored in results:
-            generation = self._sessions[scored.seq].generation
-            if isinstance(scored, Scored) and generation is not None:
-                generation.prompt_logprobs.extend(scored.logprobs)
+            if isinstance(scored, Scored):
+                scorer = self._sessions[scored.seq].generation
+                if scorer is not None:
+                    scorer.prompt_logprobs.extend(scored.logprobs)
         for work in works:
             session = self._sessions[work.seq]
             session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked

@@ -156,8 +156,10 @@ class Stepper:
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset == last
-                target = work.tokens[offset + 1] if offset < last else work.next_token
-                scores = work.score is not None and target is not None
+                target = None
+                if work.score is not None:  # (a prompt being scored: rare, never a decode)
+                    target = work.tokens[offset + 1] if offset < last else work.next_token
+                scores = target is not None
                 output = wants or scores or spare_outputs > 0
                 logits[row] = output
                 if wants:
