@@ -10,6 +10,7 @@ Usage (from the repository root, in the project's venv)::
 
     python benchmarks/lm_head.py                    # the demo GGUF
     python benchmarks/lm_head.py --model x.gguf --rows 1,4,8 --repeats 30
+    python benchmarks/lm_head.py --model x.gguf --repack   # llama.cpp's weight repacking on
     BUTTER_LM_HEAD_ISA=avx2 python benchmarks/lm_head.py   # the AVX2 kernel on an AVX512 CPU
 """
 
@@ -61,13 +62,31 @@ def time_rows(backend: LlamaCppBackend, works: list[SeqWork], rows: int, repeats
     return statistics.median(times[2:])
 
 
-def measure(model: Path, *, fast: bool, rows: list[int], repeats: int, threads: int
-            ) -> tuple[str, dict[int, float]]:
-    backend = LlamaCppBackend(model, n_cells=4096, n_seq=SESSIONS, n_batch=256,
-                              threads=threads, step_shaping=False, fast_lm_head=fast)
+def time_prefill(backend: LlamaCppBackend, tokens: int, repeats: int) -> float:
+    """Median seconds to evaluate a `tokens`-long prompt in one step (logits on its last)."""
+    prompt = backend.tokenize("The harbour was quiet that morning. " * tokens, add_bos=True)
+    prompt = prompt[:tokens]
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        backend.step([RemoveTokens(0, -1, -1)], [])
+        started = time.perf_counter()
+        backend.step([], [SeqWork(0, tuple(prompt), 0, sample=True, prompt=True)])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
+
+
+def measure(model: Path, *, fast: bool, rows: list[int], repeats: int, threads: int,
+            repack: bool, prompt: int) -> tuple[str, dict[int, float]]:
+    """Decode-step seconds by row count, and (at key -prompt) one prompt step's."""
+    backend = LlamaCppBackend(model, n_cells=4096, n_seq=SESSIONS, n_batch=max(256, prompt),
+                              threads=threads, step_shaping=False, fast_lm_head=fast,
+                              repack=repack)
     try:
         works = prefill(backend)
-        return backend.lm_head, {n: time_rows(backend, works, n, repeats) for n in rows}
+        times = {n: time_rows(backend, works, n, repeats) for n in rows}
+        if prompt:
+            times[-prompt] = time_prefill(backend, prompt, max(3, repeats // 5))
+        return backend.lm_head, times
     finally:
         backend.close()
 
@@ -78,21 +97,33 @@ def main() -> None:
     parser.add_argument("--rows", default="1,2,4,6,8")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repack", action="store_true",
+                        help="llama.cpp's weight repacking on (butter's default is off)")
+    parser.add_argument("--prompt", type=int, default=256,
+                        help="also time one prefill step of this many tokens (0: no)")
     args = parser.parse_args()
     model = args.model or demo_model()
     rows = [int(n) for n in args.rows.split(",")]
     console = Console()
-    table = Table(title=f"one decode step (ms, median of {args.repeats}): {model.name}")
+    repacking = "repacking on" if args.repack else "repacking off"
+    table = Table(title=f"one decode step (ms, median of {args.repeats}), {repacking}: "
+                        f"{model.name}")
     table.add_column("logits by")
+    columns = rows + ([-args.prompt] if args.prompt else [])
     for n in rows:
         table.add_column(f"{n} row{'s' if n > 1 else ''}", justify="right")
+    if args.prompt:
+        table.add_column(f"prefill {args.prompt} (tok/s)", justify="right")
     results = []
     for fast in (False, True):
         who, times = measure(model, fast=fast, rows=rows, repeats=args.repeats,
-                             threads=args.threads)
+                             threads=args.threads, repack=args.repack, prompt=args.prompt)
         results.append(times)
-        table.add_row(who, *(f"{times[n] * 1e3:.1f}" for n in rows))
-    table.add_row("speed-up", *(f"{results[0][n] / results[1][n]:.2f}x" for n in rows))
+        cells = [f"{times[n] * 1e3:.1f}" for n in rows]
+        if args.prompt:
+            cells.append(f"{args.prompt / times[-args.prompt]:.0f}")
+        table.add_row(who, *cells)
+    table.add_row("speed-up", *(f"{results[0][n] / results[1][n]:.2f}x" for n in columns))
     console.print(table)
 
 

@@ -67,9 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: on)")
     serve.add_argument("--fast-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="llama.cpp: butter computes the logits (the output projection) "
-                            "with its AVX512-VNNI or AVX2 kernel where the CPU, the build and "
-                            "a Q8_0 output matrix allow, checked against llama.cpp's at load; "
+                            "with its AVX512-VNNI or AVX2 kernel where the CPU and the build "
+                            "allow (output matrices other than Q8_0 are requantized to Q8_0 "
+                            "at load), checked against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
+    serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                       help="llama.cpp: keep weight repacking off, so a prompt's KV cache and "
+                            "logits are bit-identical whether prefilled cold or reused from "
+                            "the cache (same seed, same output); --no-deterministic lets "
+                            "llama.cpp repack K-quant weights for its interleaved kernels "
+                            "(faster one-stream decode, slower prefill; see "
+                            "benchmarks/RESULTS.md) (default: on)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "
@@ -138,6 +146,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         threads=args.threads, step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
+        deterministic=args.deterministic,
         shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,

@@ -85,6 +85,9 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
+    # llama.cpp: no weight repacking, so a prompt's KV and logits are bit-identical cold and
+    # on a cache hit (docs/architecture.md, "Numerics and determinism").
+    deterministic: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS

@@ -29,6 +29,22 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model 256 wide, quantized by llama.cpp's own quantizer to Q4_K_M: Q4_K and
+    Q6_K layer matrices, a Q6_K output matrix (what most downloaded GGUFs contain)."""
+    import llama_cpp
+
+    folder = tmp_path_factory.mktemp("q4_k_m")
+    f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
+    target = folder / "tiny-256-q4_k_m.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+    if llama_cpp.llama_model_quantize(str(f32).encode(), str(target).encode(), params) != 0:
+        raise RuntimeError("llama.cpp could not quantize the tiny model")
+    return target
+
+
+@pytest.fixture(scope="session")
 def tiny_mlx(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from butter.testing.tiny_mlx import write_tiny_qwen3_mlx
 

@@ -518,15 +518,85 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
         backend.close()
 
 
-def test_a_float_output_matrix_is_left_to_llama_cpp(tmp_path: Path) -> None:
-    path = write_tiny_qwen3_gguf(tmp_path / "f32.gguf", quantize=False)
-    with pytest.raises(Unavailable, match=r"output.weight is not Q8_0 \(ggml type 0\)"):
-        lmhead_module._q8_0_output(path)
-    backend = LlamaCppBackend(path, n_cells=1024, n_seq=2, n_batch=256, threads=2)
+def _requantized_head_logits(path: Path) -> tuple[LlamaCppBackend, np.ndarray, np.ndarray]:
+    """A backend on `path` with butter's projection, and one probe's logits both ways."""
+    theirs = _backend(path, fast=False)
+    _, their_logits = _generate_greedy(theirs, ["Session 3 talks about boats"], steps=2)
+    theirs.close()
+    ours = _backend(path, fast=True)
+    _, our_logits = _generate_greedy(ours, ["Session 3 talks about boats"], steps=2)
+    return ours, our_logits, their_logits
+
+
+@pytest.mark.parametrize("kind", ["F32", "F16", "Q6_K"])
+def test_an_output_matrix_of_another_type_is_requantized_to_q8_0(
+    tmp_path: Path, kind: str, tiny_q4_k_m_gguf: Path,
+) -> None:
+    if kind == "Q6_K":  # llama.cpp's Q4_K_M, as most downloaded GGUFs
+        path = tiny_q4_k_m_gguf
+    else:
+        f16 = kind == "F16"
+        path = write_tiny_qwen3_gguf(tmp_path / "float.gguf", quantize=f16, f16_output=f16)
+    ours, our_logits, their_logits = _requantized_head_logits(path)
     try:
-        assert backend.model.lm_head is None and backend.lm_head.startswith("llama.cpp (")
+        assert ours.lm_head.endswith(f"; {kind} output requantized to Q8_0)")
+        assert not ours.model.lm_head.exact and ours.stepper.ours
+        error = llama_loading.relative_rms_error(our_logits, their_logits)
+        # Both sides' rounding (~1%); a wrong layout would be ~100%.
+        assert 0 < error < llama_loading.REQUANTIZED_TOLERANCE
     finally:
-        backend.close()
+        ours.close()
+
+
+def _ggml_quantized(floats: np.ndarray, ggml_type: int) -> np.ndarray:
+    """`floats` quantized by ggml itself (rows of a multiple of the type's block)."""
+    ggml = lmhead_module._ggml_base()
+    ggml.ggml_row_size.argtypes, ggml.ggml_row_size.restype = [ctypes.c_int,
+                                                                ctypes.c_int64], ctypes.c_size_t
+    rows, width = floats.shape
+    out = np.zeros((rows, ggml.ggml_row_size(ggml_type, width)), dtype=np.uint8)
+    quantize = ggml.ggml_quantize_chunk
+    quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    quantize.restype = ctypes.c_size_t
+    floats = np.ascontiguousarray(floats, dtype=np.float32)
+    written = quantize(ggml_type, floats.ctypes.data, out.ctypes.data, 0, rows, width, None)
+    assert written == out.nbytes
+    return out
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q6_K, gguf.GGMLQuantizationType.Q5_K,
+                                   gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.F16,
+                                   gguf.GGMLQuantizationType.Q4_0],
+                         ids=lambda qtype: qtype.name)
+def test_requantization_is_the_files_weights_rounded_to_q8_0(qtype: gguf.GGMLQuantizationType,
+                                                             ) -> None:
+    """ggml's dequantizer, reached through its type traits, agrees with the gguf package's
+    independent one; the Q8_0 it then writes is the reference Q8_0 of those weights."""
+    rng = np.random.default_rng(7)
+    floats = rng.normal(0, 0.02, (40, 512)).astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        raw = floats.astype(np.float16).view(np.uint8)
+    else:
+        raw = _ggml_quantized(floats, int(qtype))
+    weights = gguf.quants.dequantize(raw, qtype).reshape(40, 512)
+    expected = gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    ours = lmhead_module._requantized_q8_0(lmhead_module._ggml_base(), raw, int(qtype), 40, 512)
+    np.testing.assert_array_equal(ours, expected)
+
+
+def test_an_output_type_butter_cannot_requantize_is_left_to_llama_cpp(tmp_path: Path) -> None:
+    path = tmp_path / "i8.gguf"
+    writer = gguf.GGUFWriter(path, arch="qwen3")
+    writer.add_tensor("output.weight", np.zeros((8, 64), dtype=np.int8),
+                      raw_dtype=gguf.GGMLQuantizationType.I8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(Unavailable, match=r"output.weight is ggml type 24, which butter "
+                                          r"cannot requantize"):
+        lmhead_module._output_matrix(path)
 
 
 def test_weights_of_minus_128_count_as_minus_128(
@@ -541,7 +611,8 @@ def test_weights_of_minus_128_count_as_minus_128(
     quants[:5] = -128  # whole rows of the extreme value
     blocks[..., 2:] = quants.view(np.uint8)
     rows = blocks.reshape(n_vocab, -1)
-    monkeypatch.setattr(lmhead_module, "_q8_0_output", lambda path: (rows, n_vocab, n_embd))
+    monkeypatch.setattr(lmhead_module, "_output_matrix",
+                        lambda path: (rows, lmhead_module.Q8_0, n_vocab, n_embd))
     head = _head_or_skip(tiny_gguf)
     hidden = rng.standard_normal((3, n_embd)).astype(np.float32)
     reference = _reference(blocks, hidden)

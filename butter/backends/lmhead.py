@@ -7,10 +7,11 @@ each weight for up to 8 rows, hooked into llama.cpp's graph evaluation (`cb_eval
 the final norm, so llama.cpp's own projection never runs (RESULTS.md has the numbers).
 
 It is used where it applies and verified: an x86 CPU with AVX512-VNNI (or AVX2, a slower
-kernel with the same results), the extension built, a CPU-only llama.cpp, a Q8_0 output
-matrix, no logit soft-capping; and at load, one probe prompt's logits must agree with
-llama.cpp's own. Anywhere else llama.cpp computes the logits as before, and the
-backend's `lm_head` says why.
+kernel with the same results), the extension built, a CPU-only llama.cpp, an output
+matrix in Q8_0 or in a type ggml can dequantize (F16, BF16, Q4_0..Q5_1, Q2_K..Q6_K: those
+are requantized to Q8_0 at load; Q4_K_M files store it as Q6_K), no logit soft-capping;
+and at load, one probe prompt's logits must agree with llama.cpp's own. Anywhere else
+llama.cpp computes the logits as before, and the backend's `lm_head` says why.
 
 The boundary with C is checked, since ctypes checks nothing: the library must report the
 ABI version this module was written for; the kernel's state is opaque here (allocated at
@@ -167,8 +168,93 @@ def _ggml_base() -> Any:
     return ctypes.CDLL(str(library))
 
 
-def _q8_0_output(path: Path) -> tuple[npt.NDArray[np.uint8], int, int]:
-    """The output matrix's raw Q8_0 rows (mapped from the file), n_vocab and n_embd."""
+# Output matrices of other types are requantized to Q8_0 once at load (ggml's own
+# dequantizer, then its Q8_0 quantizer), so the one kernel serves them too. Q8_0's
+# per-32 scale adds a rounding step of at most 1/254 of a block's largest weight: far
+# below what the file's own 4-6 bit quantization already removed, but no longer
+# llama.cpp's exact arithmetic, so these logits are checked against llama.cpp's with a
+# relative tolerance (REQUANTIZED_TOLERANCE) instead of float rounding's.
+F32, F16, BF16 = 0, 1, 30
+# ggml type -> (name ggml gives it, elements per block, bytes per block): the types whose
+# rows ggml can turn back into floats and whose layout this module knows.
+REQUANTIZABLE = {
+    F32: ("f32", 1, 4), F16: ("f16", 1, 2), BF16: ("bf16", 1, 2),
+    2: ("q4_0", 32, 18), 3: ("q4_1", 32, 20), 6: ("q5_0", 32, 22), 7: ("q5_1", 32, 24),
+    10: ("q2_K", 256, 84), 11: ("q3_K", 256, 110), 12: ("q4_K", 256, 144),
+    13: ("q5_K", 256, 176), 14: ("q6_K", 256, 210),
+}
+REQUANTIZE_ROWS = 4096  # rows per dequantize/quantize round (16 MB of floats at 1024 wide)
+
+
+class _TypeTraits(ctypes.Structure):
+    """ggml.h's `struct ggml_type_traits` (public API), as far as it is read here."""
+
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, _P, _P, _I64)  # (const void * x, float * y, int64_t k)
+
+
+def ggml_type_name(ggml_type: int) -> str:
+    """A ggml type number as people read it in file listings (Q6_K, F16, ...)."""
+    if ggml_type == Q8_0:
+        return "Q8_0"
+    known = REQUANTIZABLE.get(ggml_type)
+    return known[0].upper() if known else f"ggml type {ggml_type}"
+
+
+def _row_dequantizer(ggml: Any, ggml_type: int) -> Any:
+    """ggml's to-float function for this type, once its traits match what this module
+    assumes about the layout (a different ggml would otherwise be read as garbage)."""
+    name, block, block_bytes = REQUANTIZABLE[ggml_type]
+    ggml.ggml_get_type_traits.argtypes, ggml.ggml_get_type_traits.restype = [
+        ctypes.c_int], ctypes.POINTER(_TypeTraits)
+    traits = ggml.ggml_get_type_traits(ggml_type).contents
+    found = (traits.type_name or b"").decode(), traits.blck_size, traits.type_size
+    if found != (name, block, block_bytes):
+        raise Unavailable(f"ggml describes type {ggml_type} as {found}, not "
+                          f"{(name, block, block_bytes)}")
+    if not traits.to_float:
+        raise Unavailable(f"ggml has no dequantizer for {name}")
+    return _TO_FLOAT(traits.to_float)
+
+
+def _requantized_q8_0(
+    ggml: Any, raw: npt.NDArray[np.uint8], ggml_type: int, n_vocab: int, n_embd: int,
+) -> npt.NDArray[np.uint8]:
+    """The output matrix as Q8_0 rows: ggml dequantizes the file's rows, then quantizes
+    them to Q8_0 (ggml_quantize_chunk), a few thousand rows at a time."""
+    to_float = None if ggml_type == F32 else _row_dequantizer(ggml, ggml_type)
+    quantize = ggml.ggml_quantize_chunk
+    quantize.argtypes = [ctypes.c_int, _P, _P, _I64, _I64, _I64, _P]
+    quantize.restype = _SIZE
+    row_bytes = n_embd // QK * Q8_0_BLOCK_BYTES
+    q8 = np.empty((n_vocab, row_bytes), dtype=np.uint8)
+    floats = np.empty((REQUANTIZE_ROWS, n_embd), dtype=np.float32)
+    for start in range(0, n_vocab, REQUANTIZE_ROWS):
+        rows = min(REQUANTIZE_ROWS, n_vocab - start)
+        source = np.ascontiguousarray(raw[start : start + rows])
+        if to_float is None:  # already floats
+            floats[:rows] = source.view(np.float32).reshape(rows, n_embd)
+        else:
+            to_float(source.ctypes.data, floats.ctypes.data, rows * n_embd)
+        written = quantize(Q8_0, floats.ctypes.data, q8[start].ctypes.data, 0, rows, n_embd, None)
+        if written != rows * row_bytes:
+            raise Unavailable(f"ggml_quantize_chunk wrote {written} bytes, not {rows * row_bytes}")
+    return q8
+
+
+def _output_matrix(path: Path) -> tuple[npt.NDArray[np.uint8], int, int, int]:
+    """The output matrix's raw rows (mapped from the file), its ggml type, n_vocab and
+    n_embd; Unavailable where the kernel cannot compute with it."""
     try:
         header = read_header(path, keys=["general.architecture"])
     except (OSError, GgufFormatError) as exc:
@@ -180,15 +266,20 @@ def _q8_0_output(path: Path) -> tuple[npt.NDArray[np.uint8], int, int]:
     if name is None:
         raise Unavailable("no output matrix in the GGUF")
     tensor = header.tensors[name]
-    if tensor.ggml_type != Q8_0:
-        raise Unavailable(f"{name} is not Q8_0 (ggml type {tensor.ggml_type})")
-    if len(tensor.shape) != 2 or tensor.shape[0] % QK:
+    if tensor.ggml_type == Q8_0:
+        block, block_bytes = QK, Q8_0_BLOCK_BYTES
+    elif tensor.ggml_type in REQUANTIZABLE:
+        _, block, block_bytes = REQUANTIZABLE[tensor.ggml_type]
+    else:
+        raise Unavailable(f"{name} is {ggml_type_name(tensor.ggml_type)}, which butter "
+                          "cannot requantize")
+    if len(tensor.shape) != 2 or tensor.shape[0] % QK or tensor.shape[0] % block:
         raise Unavailable(f"{name} has shape {tensor.shape}")
     n_embd, n_vocab = tensor.shape
-    row_bytes = n_embd // QK * Q8_0_BLOCK_BYTES
+    row_bytes = n_embd // block * block_bytes
     rows = np.memmap(path, dtype=np.uint8, mode="r", offset=tensor.offset,
                      shape=(n_vocab, row_bytes))
-    return rows, n_vocab, n_embd
+    return rows, tensor.ggml_type, n_vocab, n_embd
 
 
 class LmHead:
@@ -199,8 +290,11 @@ class LmHead:
         self._lib = _library()
         isa, why_not = _requested_isa(self._lib)
         ggml = _ggml_base()
-        rows, n_vocab, n_embd = _q8_0_output(path)
+        raw, ggml_type, n_vocab, n_embd = _output_matrix(path)
         self.n_vocab, self.n_embd = n_vocab, n_embd
+        self.source_type = ggml_type_name(ggml_type)
+        # Q8_0 is computed exactly as llama.cpp does; other types after a requantization.
+        self.exact = ggml_type == Q8_0
         self._threads = max(1, threads)
         self.state = _new_state(self._lib)
         status = self._lib.butter_lmhead_init(
@@ -210,8 +304,9 @@ class LmHead:
             raise Unavailable(why_not)
         self._setup("butter_lmhead_init", status)
         self.isa = ISA_NAMES[isa]
+        rows = raw if self.exact else _requantized_q8_0(ggml, raw, ggml_type, n_vocab, n_embd)
         self._pack(rows)
-        del rows  # the GGUF mapping: llama.cpp holds its own
+        del raw, rows  # the GGUF mapping (llama.cpp holds its own) and any requantized copy
         self.stride = -(-n_vocab // LANES) * LANES  # logits per row in `out`, whole tiles
         self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
         self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)

@@ -280,31 +280,31 @@ def _norm_weight(rng: np.random.Generator, size: int) -> F32Array:
     return (1.0 + _normal(rng, (size,), 0.1)).astype(np.float32)
 
 
-def _layer_tensors(rng: np.random.Generator, layer: int) -> dict[str, F32Array]:
+def _layer_tensors(rng: np.random.Generator, layer: int, n_embd: int) -> dict[str, F32Array]:
     """One transformer block; numpy shapes are (out, in), i.e. GGUF ne reversed.
 
     Projections use std 1/sqrt(fan_in) so every block changes the residual
     stream by about as much as the embedding itself: the next token then
     depends on the whole context, not only on the last token.
     """
-    q_dim, kv_dim = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
-    in_std, ff_std, out_std = N_EMBD**-0.5, N_FF**-0.5, q_dim**-0.5
+    q_dim, kv_dim, n_ff = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM, N_FF * n_embd // N_EMBD
+    in_std, ff_std, out_std = n_embd**-0.5, n_ff**-0.5, q_dim**-0.5
     shapes: dict[str, tuple[tuple[int, ...], float]] = {
-        "attn_q": ((q_dim, N_EMBD), in_std),
-        "attn_k": ((kv_dim, N_EMBD), in_std),
-        "attn_v": ((kv_dim, N_EMBD), in_std),
-        "attn_output": ((N_EMBD, q_dim), out_std),
-        "ffn_gate": ((N_FF, N_EMBD), in_std),
-        "ffn_up": ((N_FF, N_EMBD), in_std),
-        "ffn_down": ((N_EMBD, N_FF), ff_std),
+        "attn_q": ((q_dim, n_embd), in_std),
+        "attn_k": ((kv_dim, n_embd), in_std),
+        "attn_v": ((kv_dim, n_embd), in_std),
+        "attn_output": ((n_embd, q_dim), out_std),
+        "ffn_gate": ((n_ff, n_embd), in_std),
+        "ffn_up": ((n_ff, n_embd), in_std),
+        "ffn_down": ((n_embd, n_ff), ff_std),
     }
     tensors = {
         f"blk.{layer}.{key}.weight": _normal(rng, shape, std)
         for key, (shape, std) in shapes.items()
     }
     for key, size in (
-        ("attn_norm", N_EMBD),
-        ("ffn_norm", N_EMBD),
+        ("attn_norm", n_embd),
+        ("ffn_norm", n_embd),
         ("attn_q_norm", HEAD_DIM),
         ("attn_k_norm", HEAD_DIM),
     ):
@@ -312,7 +312,7 @@ def _layer_tensors(rng: np.random.Generator, layer: int) -> dict[str, F32Array]:
     return tensors
 
 
-def _output_weight(rng: np.random.Generator, n_vocab: int) -> F32Array:
+def _output_weight(rng: np.random.Generator, n_vocab: int, n_embd: int) -> F32Array:
     """A separate random LM head (tying it to the embeddings makes greedy
     decoding repeat the last token).
 
@@ -320,19 +320,19 @@ def _output_weight(rng: np.random.Generator, n_vocab: int) -> F32Array:
     best of ~560 random logits is comfortably positive: greedy decoding never
     stops on its own, and tests control length with max_tokens/stop strings.
     """
-    weight = _normal(rng, (n_vocab, N_EMBD), N_EMBD**-0.5)
+    weight = _normal(rng, (n_vocab, n_embd), n_embd**-0.5)
     for token_id in (special_token_ids()[text] for text in CONTROL_TOKENS):
         weight[token_id] = 0.0
     return weight
 
 
-def _all_tensors(seed: int, n_vocab: int) -> dict[str, F32Array]:
+def _all_tensors(seed: int, n_vocab: int, n_embd: int = N_EMBD) -> dict[str, F32Array]:
     rng = np.random.default_rng(seed)
-    tensors = {"token_embd.weight": _normal(rng, (n_vocab, N_EMBD), 1.0)}
+    tensors = {"token_embd.weight": _normal(rng, (n_vocab, n_embd), 1.0)}
     for layer in range(N_LAYER):
-        tensors.update(_layer_tensors(rng, layer))
-    tensors["output_norm.weight"] = _norm_weight(rng, N_EMBD)
-    tensors["output.weight"] = _output_weight(rng, n_vocab)
+        tensors.update(_layer_tensors(rng, layer, n_embd))
+    tensors["output_norm.weight"] = _norm_weight(rng, n_embd)
+    tensors["output.weight"] = _output_weight(rng, n_vocab, n_embd)
     return tensors
 
 
@@ -340,14 +340,15 @@ def _all_tensors(seed: int, n_vocab: int) -> dict[str, F32Array]:
 
 
 def _add_hparams(
-    writer: gguf.GGUFWriter, name: str, n_ctx_train: int, file_type: gguf.LlamaFileType
+    writer: gguf.GGUFWriter, name: str, n_ctx_train: int, file_type: gguf.LlamaFileType,
+    n_embd: int = N_EMBD,
 ) -> None:
     writer.add_name(name)
     writer.add_file_type(file_type)
     writer.add_context_length(n_ctx_train)
-    writer.add_embedding_length(N_EMBD)
+    writer.add_embedding_length(n_embd)
     writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF)
+    writer.add_feed_forward_length(N_FF * n_embd // N_EMBD)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
     writer.add_key_length(HEAD_DIM)
@@ -398,6 +399,9 @@ def write_tiny_qwen3_gguf(
     chat_template: str | None = None,
     quantize: bool = True,
     fim: bool = False,
+    f16_output: bool = False,
+    q4_0: bool = False,
+    width: int = N_EMBD,
 ) -> pathlib.Path:
     """Write the tiny Qwen3 model to ``path`` and return it as a Path.
 
@@ -409,19 +413,26 @@ def write_tiny_qwen3_gguf(
 
     With ``quantize`` (the default) the matrices are stored as Q8_0, like the
     quantized GGUFs people run: llama.cpp then takes the same (batch-invariant)
-    matmul paths as for real models. Norms stay F32.
+    matmul paths as for real models. Norms stay F32. With ``f16_output`` the output
+    matrix is stored as F16 whatever ``quantize`` says (like GGUFs that keep it unquantized).
+    With ``q4_0`` the layer matrices are Q4_0 instead of Q8_0: a type llama.cpp repacks for
+    its interleaved x86 kernels when weight repacking is on. ``width`` sets the hidden
+    size (the FFN scales with it): 256 or more lets llama.cpp's quantizer use K-quants.
     """
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch="qwen3")
     file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
-    _add_hparams(writer, name, n_ctx_train, file_type)
+    layer_type = gguf.GGMLQuantizationType.Q4_0 if q4_0 else gguf.GGMLQuantizationType.Q8_0
+    _add_hparams(writer, name, n_ctx_train, file_type, width)
     _add_tokenizer(writer, CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
     n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0)
-    for tensor_name, tensor in _all_tensors(seed, n_vocab).items():
-        if quantize and tensor.ndim == 2:
-            q8 = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, q8), raw_dtype=q8)
+    for tensor_name, tensor in _all_tensors(seed, n_vocab, width).items():
+        if f16_output and tensor_name == "output.weight":
+            writer.add_tensor(tensor_name, tensor.astype(np.float16))
+        elif quantize and tensor.ndim == 2:
+            qtype = layer_type if tensor_name.startswith("blk.") else gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor_name, tensor)
     writer.write_header_to_file()

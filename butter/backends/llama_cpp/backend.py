@@ -38,15 +38,17 @@ class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
-        fast_lm_head: bool = True,
+        fast_lm_head: bool = True, repack: bool = False,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
 
         `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
-        that applies; `lm_head` then says which one does, and why."""
+        that applies; `lm_head` then says which one does, and why. `repack`: let llama.cpp
+        repack weights for its interleaved kernels (faster one-row decode of some K-quants,
+        but a row's result then depends on its place in the batch: docs/architecture.md)."""
         self.model = LlamaModel(
             path, n_cells=n_cells, n_seq=n_seq, n_batch=n_batch, threads=threads,
-            kv_type=kv_type, fast_lm_head=fast_lm_head,
+            kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack,
         )
         self.info = self.model.info
         self.kv_type = self.model.kv_type
@@ -88,6 +90,7 @@ class LlamaCppBackend:
         return {
             "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
             "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
+            "weight_repacking": self.model.repack,  # off unless --no-deterministic
         }
 
     # ------------------------------------------------------------------ text and checks

@@ -1,0 +1,76 @@
+"""Weight repacking and the bit-exact cache hit (`--deterministic`, docs/architecture.md).
+
+llama.cpp's repacked (interleaved) x86 kernels quantize and multiply batch rows four at a
+time and the rest one by one, so a row's result can depend on where it sits in the batch:
+measured on Qwen3-0.6B's shape in Q4_K_M, a prompt's last logits moved by up to 0.056 when
+another prompt shared its step (bit-identical with repacking off). On the tiny models here
+the repacked kernels happen to agree bit for bit, so only what butter promises is pinned:
+with repacking off (the default) a prompt's logits never depend on its neighbours, and
+with it on (`--no-deterministic`) the repacked kernels serve and stay close.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.cli import build_parser, settings_from_args
+from butter.pipeline.resident import ResidentModel
+from butter.sampling import SamplingParams
+
+PROMPT = "Session 4 talks about the harbour, its boats and the people who sail them"
+OTHER = "A short one"
+
+
+def _last_prompt_logits(backend: LlamaCppBackend, first: list[int] | None,
+                        prompt: list[int]) -> np.ndarray:
+    """The logits of `prompt`'s last token, evaluated cold in one step, after `first`
+    (another sequence's prompt in the same step) when given."""
+    ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
+    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in (0, 1)]
+    works = [SeqWork(0, tuple(prompt), 0, sample=True, prompt=True)]
+    if first is not None:
+        works.insert(0, SeqWork(1, tuple(first), 0, sample=True, prompt=True))
+    backend.step(ops, works)
+    row = (len(first) if first is not None else 0) + len(prompt) - 1
+    return np.asarray(backend.step_logits(row))
+
+
+@pytest.mark.parametrize("repack", [False, True], ids=["deterministic", "repacked"])
+def test_a_prompts_logits_do_not_depend_on_its_batch_neighbours(
+    tiny_q4_k_m_gguf: Path, repack: bool,
+) -> None:
+    backend = LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2,
+                              fast_lm_head=False, repack=repack)
+    try:
+        prompt = backend.tokenize(PROMPT, add_bos=False)
+        other = backend.tokenize(OTHER, add_bos=False)
+        assert len(other) % 4  # shifts the prompt's rows off llama.cpp's groups of four
+        alone = _last_prompt_logits(backend, None, prompt)
+        beside = _last_prompt_logits(backend, other, prompt)
+        again = _last_prompt_logits(backend, None, prompt)
+        np.testing.assert_array_equal(alone, again)  # either way, the same step repeats
+        if repack:
+            np.testing.assert_allclose(alone, beside, atol=1e-2 * np.abs(alone).max())
+        else:
+            np.testing.assert_array_equal(alone, beside)
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize(("flags", "repacked"), [([], False), (["--no-deterministic"], True)])
+def test_the_flag_reaches_the_loaded_backend(
+    tiny_q4_k_m_gguf: Path, flags: list[str], repacked: bool,
+) -> None:
+    args = build_parser().parse_args(["serve", "--model", str(tiny_q4_k_m_gguf), *flags])
+    resident = ResidentModel.load_sync(settings_from_args(args))
+    try:
+        assert isinstance(resident.backend, LlamaCppBackend)
+        assert resident.backend.model.repack is repacked
+        assert resident.metadata()["weight_repacking"] is repacked  # what /v1/server shows
+    finally:
+        resident.close()
