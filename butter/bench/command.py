@@ -1,4 +1,7 @@
-"""`butter serve-bench ...`: parse, run the waves with a progress bar, report."""
+"""`butter serve-bench ...`: parse, run the workload with a progress bar, report.
+
+Three workloads: synchronized waves (the default), `--replay FILE` (recorded agent
+conversations) and `--long-arrival TOKENS` (one long prompt arriving amid streams)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,23 @@ import trio
 from rich.console import Console
 from rich.progress import Progress
 
+from butter.bench.arrival import ArrivalConfig, run_arrival
 from butter.bench.client import BenchConfig, BenchError, run_levels
-from butter.bench.metrics import LevelReport, Timeline, level_report
-from butter.bench.report import print_table, write_json, write_plot
+from butter.bench.metrics import (
+    LevelReport,
+    Timeline,
+    arrival_report,
+    level_report,
+    replay_report,
+)
+from butter.bench.replay import DEFAULT_TAG, load_replay, run_replay
+from butter.bench.report import (
+    print_arrival,
+    print_replay,
+    print_table,
+    write_json,
+    write_plot,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,6 +52,30 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
     bench.add_argument("--json", type=Path, help="write one record per level here")
     bench.add_argument("--plot", type=Path, help="write a PNG plot here (extra [plot])")
+    workload = bench.add_mutually_exclusive_group()
+    workload.add_argument(
+        "--replay", type=Path, metavar="FILE",
+        help="replay recorded conversations (JSONL: {\"id\", \"requests\": [chat bodies "
+             "without model/stream]}) on C lanes per level; --max-tokens applies to bodies "
+             "without max_tokens")
+    bench.add_argument(
+        "--replay-tag", default=DEFAULT_TAG,
+        help="prefixed to each conversation's first user message, {level} = C, so a level "
+             "cannot reuse the previous level's conversations ('' sends the file as it is; "
+             "default %(default)r)")
+    workload.add_argument(
+        "--long-arrival", type=int, metavar="TOKENS",
+        help="C sessions stream --max-tokens answers; then one request with a unique prompt "
+             "of about TOKENS tokens arrives: the sessions' tok/s before, during its prefill "
+             "and after")
+    bench.add_argument("--arrival-max-tokens", type=int, default=16,
+                       help="the long request's max_tokens (default %(default)s)")
+    bench.add_argument("--arrival-settle", type=float, default=1.0,
+                       help="seconds from every session's first token to the arrival, the "
+                            "'before' window (default %(default)s)")
+    bench.add_argument("--arrival-after", type=float, default=2.0,
+                       help="seconds measured after the long request's first token "
+                            "(default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -56,6 +97,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.plot and (args.replay is not None or args.long_arrival is not None):
+        Console(stderr=True).print("serve-bench: --plot draws the waves only; ignored")
+    if args.replay is not None:
+        return run_replay_command(args, config)
+    if args.long_arrival is not None:
+        return run_arrival_command(args, config)
     console = Console(stderr=True)
     total = len(config.concurrency) * config.waves
     with Progress(console=console, transient=True) as progress:
@@ -76,4 +123,63 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, reports, sys.argv, server)
     if args.plot:
         write_plot(args.plot, reports)
+    return 0
+
+
+def run_replay_command(args: argparse.Namespace, config: BenchConfig) -> int:
+    console = Console(stderr=True)
+    try:
+        args.replay_tag.format(level=1)
+    except (KeyError, IndexError, ValueError):
+        console.print("[red]serve-bench: --replay-tag may use {level} and no other field[/red]")
+        return 2
+    try:
+        conversations = load_replay(args.replay)
+    except BenchError as exc:
+        console.print(f"[red]serve-bench: {exc}[/red]")
+        return 2
+    per_level = sum(len(c.requests) for c in conversations)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=per_level * len(config.concurrency))
+
+        def on_request(timeline: Timeline) -> None:
+            progress.update(task, advance=1, description=f"{timeline.marker} #{timeline.turn}")
+
+        try:
+            server, results = trio.run(run_replay, config, conversations, args.replay_tag,
+                                       on_request)
+        except BenchError as exc:
+            console.print(f"[red]serve-bench: {exc}[/red]")
+            return 2
+    reports = [replay_report(level, timelines) for level, timelines in results.items()]
+    print_replay(reports, args.replay.name, Console())
+    if args.json:
+        write_json(args.json, reports, sys.argv, server)
+    return 0
+
+
+def run_arrival_command(args: argparse.Namespace, config: BenchConfig) -> int:
+    console = Console(stderr=True)
+    if args.long_arrival < 1 or args.arrival_max_tokens < 1:
+        console.print("[red]serve-bench: --long-arrival and --arrival-max-tokens must be "
+                      "positive[/red]")
+        return 2
+    arrival = ArrivalConfig(tokens=args.long_arrival, max_tokens=args.arrival_max_tokens,
+                            settle=args.arrival_settle, after=args.arrival_after)
+    with console.status("long arrival") as status:
+
+        def on_phase(text: str) -> None:
+            status.update(text)
+
+        try:
+            server, (chars_per_token, _), runs = trio.run(run_arrival, config, arrival,
+                                                          on_phase)
+        except BenchError as exc:
+            console.print(f"[red]serve-bench: {exc}[/red]")
+            return 2
+    reports = [arrival_report(r.sessions, r.long, r.marks, arrival.tokens, chars_per_token)
+               for r in runs.values()]
+    print_arrival(reports, Console())
+    if args.json:
+        write_json(args.json, reports, sys.argv, server)
     return 0
