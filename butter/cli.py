@@ -71,13 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
                             "allow (output matrices other than Q8_0 are requantized to Q8_0 "
                             "at load), checked against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
-    serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
-                       help="llama.cpp: keep weight repacking off, so a prompt's KV cache and "
+    serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
+                       help="llama.cpp: turn weight repacking off, so a prompt's KV cache and "
                             "logits are bit-identical whether prefilled cold or reused from "
-                            "the cache (same seed, same output); --no-deterministic lets "
-                            "llama.cpp repack K-quant weights for its interleaved kernels "
-                            "(faster one-stream decode, slower prefill; see "
-                            "benchmarks/RESULTS.md) (default: on)")
+                            "the cache (same seed, same output). By default llama.cpp repacks "
+                            "the weights it has interleaved kernels for (on x86: Q4_0, Q4_K, "
+                            "IQ4_NL), whose results depend slightly on a row's place in the "
+                            "batch: faster decode, slower prefill (benchmarks/RESULTS.md) "
+                            "(default: off)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "

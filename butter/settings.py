@@ -86,8 +86,9 @@ class ServeSettings:
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
     # llama.cpp: no weight repacking, so a prompt's KV and logits are bit-identical cold and
-    # on a cache hit (docs/architecture.md, "Numerics and determinism").
-    deterministic: bool = True
+    # on a cache hit (docs/architecture.md, "Numerics and determinism"). Off by default:
+    # repacked Q4_K decodes 1.07-1.58x faster (benchmarks/RESULTS.md).
+    deterministic: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS

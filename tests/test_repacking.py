@@ -5,8 +5,8 @@ time and the rest one by one, so a row's result can depend on where it sits in t
 measured on Qwen3-0.6B's shape in Q4_K_M, a prompt's last logits moved by up to 0.056 when
 another prompt shared its step (bit-identical with repacking off). On the tiny models here
 the repacked kernels happen to agree bit for bit, so only what butter promises is pinned:
-with repacking off (the default) a prompt's logits never depend on its neighbours, and
-with it on (`--no-deterministic`) the repacked kernels serve and stay close.
+with repacking off (`--deterministic`) a prompt's logits never depend on its neighbours,
+and with it on (the server's default, for speed) the repacked kernels serve and stay close.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def test_a_prompts_logits_do_not_depend_on_its_batch_neighbours(
         backend.close()
 
 
-@pytest.mark.parametrize(("flags", "repacked"), [([], False), (["--no-deterministic"], True)])
+@pytest.mark.parametrize(("flags", "repacked"), [([], True), (["--deterministic"], False)])
 def test_the_flag_reaches_the_loaded_backend(
     tiny_q4_k_m_gguf: Path, flags: list[str], repacked: bool,
 ) -> None:
