@@ -155,6 +155,7 @@ def test_diagnostics_say_what_the_server_shows(backend: Backend) -> None:
         assert isinstance(shapes, dict) and set(shapes.values()) <= {"plain", "padded", "split"}
         assert shown["lm_head"]["by"].startswith(("butter (", "llama.cpp ("))
         assert shown["lm_head"]["redone_steps"] == 0
+        assert shown["weight_repacking"] is False  # the class's default (the server's: on)
 
 
 @pytest.mark.parametrize("kind", ["gguf", "mlx"])

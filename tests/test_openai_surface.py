@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -242,24 +241,13 @@ def test_legacy_completions_stream_and_refusals(demo_server: ServerProcess,
         assert response.json()["error"]["param"] == param
 
 
-def test_echo_with_logprobs_scores_the_prompt(
-    client: openai.OpenAI, demo_gguf: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, demo_gguf: Path) -> None:
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0. The
     prompt tokens' logprobs agree with llama-cpp-python's own evaluation of the same
-    tokens, on the kernels butter's context uses (no weight repacking, flash attention:
-    other kernels differ by tenths of a nat on this model)."""
+    tokens, on the kernels the server's context uses (weight repacking on, the server's
+    default as llama.cpp's; flash attention: other kernels differ by tenths of a nat on
+    this model)."""
     import llama_cpp
-    import llama_cpp.llama_cpp as low_level
-
-    default_params = low_level.llama_model_default_params
-
-    def without_repacking() -> Any:
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-
-    monkeypatch.setattr(low_level, "llama_model_default_params", without_repacking)
 
     prompt = "The quick brown fox jumps over the lazy dog because it was late."
     result = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=0,

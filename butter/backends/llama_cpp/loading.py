@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 # but differs (slightly) across paths. Steps that evaluate prompt tokens are padded to
 # 8 rows with a scratch sequence, so a prompt's KV and first logits are bit-identical
 # whether it was prefilled cold, alone, beside others, or reused from the cache.
-# (Weight repacking is off for the same reason: its kernels make a row's result
-# depend on its position in the batch; see docs/architecture.md.)
+# (Weight repacking is off for the same reason where exactness is asked for, `repack`
+# False: its kernels can make a row's result depend on its position in the batch; see
+# docs/architecture.md.)
 MIN_PROMPT_ROWS = 8
 
 # butter's output projection must reproduce llama.cpp's logits to within float rounding;
