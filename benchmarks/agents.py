@@ -34,7 +34,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import shlex
 import subprocess
@@ -62,11 +61,10 @@ from compare import (
     cpu_sample,
     cpu_window,
     free_port,
-    git_commit,
     log_tail,
-    machine_info,
     md_table,
     resolve_model,
+    run_meta,
     running_server,
     served_model_id,
     version_of,
@@ -630,10 +628,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("  " + shlex.join(bench_argv(cfg, workload, f"http://{cfg.host}:PORT/v1",
                                                    "MODEL_ID", replay, Path("OUT.json"))))
         return 0
-    meta = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(), "git_commit": git_commit(), "argv": sys.argv,
-    }
+    meta = run_meta()
     results = []
     for i, name in enumerate(args.only):
         if i:

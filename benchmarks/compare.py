@@ -1210,12 +1210,7 @@ def run_matrix(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> in
             print(f"# model {entry.name}: {entry.path} (chat template: {template})", file=stdout)
             print_commands(model_cfg, args, stdout)
         return 0
-    meta = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(),
-        "git_commit": git_commit(),
-        "argv": sys.argv,
-    }
+    meta = run_meta()
     title = args.title or f"Throughput comparison, {meta['date']}"
     runs: list[tuple[MatrixEntry, BenchConfig, list[ServerResult]]] = []
     for i, (entry, model_cfg) in enumerate(configs):
@@ -1243,6 +1238,16 @@ def run_matrix(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> in
     return 0 if all(r.ok for _, _, results in runs for r in results) else 1
 
 
+def run_meta() -> dict[str, Any]:
+    """When, where and from which commit a run was made (the markdown header's facts)."""
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": machine_info(),
+        "git_commit": git_commit(),
+        "argv": sys.argv,
+    }
+
+
 def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
     args = parse_args(argv)
     cfg = make_config(args)
@@ -1255,12 +1260,7 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
         print("# each server is measured once per level C with:", file=stdout)
         print(serve_bench_template(cfg), file=stdout)
         return 0
-    meta = {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(),
-        "git_commit": git_commit(),
-        "argv": sys.argv,
-    }
+    meta = run_meta()
     results = run_all(cfg, args)
     print_tables(results, cfg.levels)
     title = args.title or f"Throughput comparison, {meta['date']}"
