@@ -11,11 +11,17 @@ and with it on (the server's default, for speed) the repacked kernels serve and 
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
+import llama_cpp as ll
 import numpy as np
 import pytest
 
+import butter.backends.llama_cpp.loading as llama_loading
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.cli import build_parser, settings_from_args
@@ -62,15 +68,36 @@ def test_a_prompts_logits_do_not_depend_on_its_batch_neighbours(
         backend.close()
 
 
+@contextmanager
+def llama_log() -> Iterator[list[str]]:
+    """llama.cpp's log lines while the block runs (butter keeps it quiet otherwise)."""
+    lines: list[str] = []
+
+    def collect(level: int, text: bytes, user_data: Any) -> None:
+        lines.append(text.decode("utf-8", errors="replace"))
+
+    callback = ll.llama_log_callback(collect)
+    ll.llama_log_set(callback, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        ll.llama_log_set(llama_loading._log_callback, ctypes.c_void_p(0))
+
+
 @pytest.mark.parametrize(("flags", "repacked"), [([], True), (["--deterministic"], False)])
-def test_the_flag_reaches_the_loaded_backend(
+def test_the_flag_decides_whether_llama_cpp_repacks(
     tiny_q4_k_m_gguf: Path, flags: list[str], repacked: bool,
 ) -> None:
+    if repacked and "AVX2 = 1" not in ll.llama_print_system_info().decode():
+        pytest.skip("llama.cpp repacks Q4_K for its AVX2 (x86) or NEON kernels only")
     args = build_parser().parse_args(["serve", "--model", str(tiny_q4_k_m_gguf), *flags])
-    resident = ResidentModel.load_sync(settings_from_args(args))
+    llama_loading.init_llama_backend()  # (its quiet callback first, then ours over it)
+    with llama_log() as lines:
+        resident = ResidentModel.load_sync(settings_from_args(args))
     try:
         assert isinstance(resident.backend, LlamaCppBackend)
-        assert resident.backend.model.repack is repacked
+        repacking = [line for line in lines if "repack tensor" in line]
+        assert bool(repacking) is repacked, lines[-5:]  # what llama.cpp itself did
         assert resident.metadata()["weight_repacking"] is repacked  # what /v1/server shows
     finally:
         resident.close()
