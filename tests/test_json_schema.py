@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from butter.backends.base import Backend, RemoveTokens, SeqWork, SetSampler
-from butter.chat.grammar import json_schema_grammar, tool_call_grammar
+from butter.chat.grammar import closed_objects, json_schema_grammar, tool_call_grammar
 from butter.model import Model
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -216,6 +216,45 @@ def test_a_forced_tool_call_uses_the_vocabularys_marker_tokens(backend: Backend)
     assert call["name"] == "pick" and call["arguments"]["side"] in ("left", "right")
     if len(backend.tokenize("<tool_call>", add_bos=False)) == 1:
         assert pieces[0] == b"<tool_call>" and pieces[-1] == b"</tool_call>"
+
+
+def test_a_forced_calls_arguments_carry_only_the_declared_keys(backend: Backend) -> None:
+    """Tools rarely say `additionalProperties: false`; JSON Schema would then allow any
+    other key, and random weights (or a small model) invent them. The call's arguments
+    hold the declared keys only, and the call ends."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["C", "F"]}},
+        "required": ["city"]}}}
+    seeds = (1, 2) if backend.info.architecture.startswith("gemma") else (1, 2, 3, 4, 5)
+    for seed in seeds:
+        params = SamplingParams(seed=seed, temperature=1.0, grammar=tool_call_grammar([tool]))
+        pieces, ended = _generate(backend, params, 200)
+        text = b"".join(pieces)
+        assert ended, f"seed {seed}: no end after 200 tokens: {text[:200]!r}"
+        call = json.loads(text.removeprefix(b"<tool_call>\n").removesuffix(b"\n</tool_call>"))
+        assert set(call["arguments"]) <= {"city", "unit"} and "city" in call["arguments"]
+
+
+def test_closing_objects_keeps_what_the_schema_says_outright() -> None:
+    """Closed: objects that list properties and are silent about others, wherever they
+    nest. Kept: an explicit `additionalProperties`, the members of `allOf` (closing each
+    would forbid the keys the other adds), and a property that is itself named
+    `properties`."""
+    schema = {"type": "object", "$defs": {"point": {"properties": {"x": {}}}},
+              "properties": {"properties": {"type": "object", "properties": {"a": {}}},
+                             "at": {"$ref": "#/$defs/point"},
+                             "list": {"items": {"properties": {"b": {}}}},
+                             "open": {"properties": {"c": {}}, "additionalProperties": True},
+                             "both": {"allOf": [{"properties": {"d": {}}},
+                                                {"properties": {"e": {}}}]}}}
+    validator = jsonschema.Draft202012Validator(closed_objects(schema))
+    assert validator.is_valid({"properties": {"a": 1}, "at": {"x": 1}, "list": [{"b": 1}],
+                               "open": {"c": 1, "z": 1}, "both": {"d": 1, "e": 2}})
+    for extra in ({"z": 1}, {"properties": {"a": 1, "z": 1}}, {"at": {"x": 1, "z": 1}},
+                  {"list": [{"b": 1, "z": 1}]}):
+        assert not validator.is_valid(extra), extra
+    assert closed_objects(schema)["properties"]["properties"]["properties"] == {"a": {}}
 
 
 @pytest.mark.parametrize("kind", ["gguf", "mlx"])

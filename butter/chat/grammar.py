@@ -16,7 +16,7 @@ from butter.errors import InvalidRequest
 from butter.sampling import OutputConstraint
 
 __all__ = [
-    "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "OutputConstraint",
+    "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "OutputConstraint", "closed_objects",
     "json_object_grammar", "json_schema_grammar", "tool_call_grammar",
 ]
 
@@ -41,15 +41,50 @@ def tool_call_grammar(
 
 
 def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters") or {"type": "object"}
+    parameters = closed_objects(function.get("parameters") or {"type": "object"})
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
         # The call object itself has no other keys (the JSON-schema default would allow
-        # them); `arguments` is exactly the tool's parameters schema.
+        # them); `arguments` is the tool's parameters schema with its objects closed.
         "additionalProperties": False,
     }
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` and says nothing about
+    `additionalProperties` closed to the keys it lists.
+
+    JSON Schema allows unlisted keys by default, and a small model under a forced call
+    fills them with keys the tool never declared (`"temperature": 24.8` beside `"city"`),
+    often until max_tokens; the function on the other end rejects them. llama.cpp's
+    schema converter closes such objects the same way. Members of `allOf` are left as they
+    are: closing each would forbid the keys the others add. Anything the schema says
+    outright (`additionalProperties: true` or a schema) is kept."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SUBSCHEMAS:
+            closed[key] = closed_objects(value)
+        else:  # data (const, enum, required...) and allOf: kept as sent
+            closed[key] = value
+    if "properties" in schema and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+# Keywords whose value maps names to subschemas, and those whose value is a subschema or a
+# list of them.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions",
+                          "dependentSchemas"})
+# (`not`, `if` and `contains` are refused by the backends anyway.)
+_SUBSCHEMAS = frozenset({"items", "prefixItems", "additionalProperties", "anyOf", "oneOf"})
 
 
 def json_object_grammar() -> OutputConstraint:
