@@ -141,6 +141,37 @@ def test_padding_rows_change_no_real_row_and_leave_no_trace(backend: LlamaCppBac
     assert ll.llama_memory_seq_pos_max(backend.model.mem, backend.model.pad_seq) == -1  # no trace
 
 
+def test_decode_rows_beside_a_long_prompt_chunk_go_first_on_their_own(
+    backend: LlamaCppBackend,
+) -> None:
+    """A step with other sessions' decode rows and a prompt chunk of 64 rows or more is
+    two evaluations: the decode rows exactly as a decode-only step, then the chunk alone.
+    A short chunk stays in one evaluation with them."""
+    works = _prefill(backend, range(3))
+    decoding = works[:2]
+    long_prompt = tuple(backend.tokenize(" ".join(["boats and harbours"] * 40),
+                                         add_bos=False))[:100]
+    assert len(long_prompt) == 100
+    backend.step([RemoveTokens(4, -1, -1), SetSampler(4, SamplingParams(temperature=0))], [])
+    alone = backend.step([], decoding)  # the reference: a decode-only step
+    backend.step([RemoveTokens(w.seq, w.start) for w in decoding], [])
+    before = backend.stepper.separated_steps
+    beside = backend.step([], [*decoding, SeqWork(4, long_prompt, 0, sample=True,
+                                                  prompt=True)])
+    assert backend.stepper.separated_steps == before + 1
+    assert [(s.seq, s.token) for s in beside[:2]] == [(s.seq, s.token) for s in alone]
+    assert [s.seq for s in beside] == [0, 1, 4]
+    # The chunk was the last evaluation, alone.
+    assert backend.model.batch.n_tokens == len(long_prompt)
+    # A short chunk shares the step's one evaluation.
+    backend.step([RemoveTokens(w.seq, w.start) for w in decoding] + [RemoveTokens(4, -1, -1)],
+                 [])
+    short = SeqWork(4, long_prompt[:16], 0, sample=True, prompt=True)
+    backend.step([], [*decoding, short])
+    assert backend.stepper.separated_steps == before + 1
+    assert backend.model.batch.n_tokens == 2 + 16
+
+
 # ------------------------------------------------------------------ served
 
 

@@ -60,7 +60,9 @@ class LlamaCppBackend:
         self.rewind_limit = 1 if self.info.is_recurrent else None
         self.samplers = Samplers(self.model)
         self.shaper = StepShaper(enabled=step_shaping)
-        self.stepper = Stepper(self.model, self.samplers, self.shaper)
+        # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
+        self.stepper = Stepper(self.model, self.samplers, self.shaper,
+                               separate_prompts=not ll.llama_supports_gpu_offload())
         self._worker = BackendWorker("butter-llama", free=self._free)
         if self.model.lm_head is not None:
             try:
@@ -90,7 +92,9 @@ class LlamaCppBackend:
         return {
             "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
             "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
-            "weight_repacking": self.model.repack,  # off unless --no-deterministic
+            "weight_repacking": self.model.repack,  # off with --deterministic
+            # steps whose decode rows were evaluated apart from a prompt chunk
+            "separated_prompt_steps": self.stepper.separated_steps,
         }
 
     # ------------------------------------------------------------------ text and checks
