@@ -3,10 +3,11 @@
 (the chunk and the decode rows in one batch, as llama-server does) against two (the
 decode rows first, on their own, then the chunk), on the real engine.
 
-Prefills `--sessions` short prompts, then feeds one `--prompt`-token prompt in 256-token
-chunks, each step carrying every session's next token too, and prints each layout's total
-and its step times along the way. This is the measurement behind docs/architecture.md's
-"Decode rows beside a prompt chunk". Random token ids: the cost is the same as text's.
+Prefills `--sessions` short prompts, then feeds one `--prompt`-token prompt in chunks of
+`--chunk` (256) tokens, each step carrying every session's next token too, and prints each
+layout's total and its step times along the way. This is the measurement behind
+docs/architecture.md's "Decode rows beside a prompt chunk". Random token ids: the cost is
+the same as text's.
 
 Usage (from the repository root, in the project's venv)::
 
@@ -28,7 +29,6 @@ from butter.backends.base import SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.sampling import SamplingParams
 
-CHUNK = 256
 SESSION_PROMPT = 180
 LONG_SEQ = 0
 
@@ -45,11 +45,12 @@ def random_tokens(rng: random.Random, backend: LlamaCppBackend, count: int) -> t
     return tuple(rng.randrange(n_vocab // 8, n_vocab // 2) for _ in range(count))
 
 
-def run(model: Path, *, separate: bool, sessions: int, prompt: int, threads: int,
-        seed: int) -> tuple[float, list[tuple[int, float]]]:
+def run(model: Path, *, separate: bool, sessions: int, prompt: int, chunk: int,
+        threads: int, seed: int) -> tuple[float, list[tuple[int, float]]]:
     """Seconds for the whole prompt, and (position, step seconds) along the way."""
     backend = LlamaCppBackend(model, n_cells=prompt + 4 * SESSION_PROMPT * (sessions + 1),
-                              n_seq=sessions + 1, n_batch=CHUNK + sessions, threads=threads,
+                              n_seq=sessions + 1, n_batch=max(chunk, SESSION_PROMPT) + sessions,
+                              threads=threads,
                               repack=True)
     try:
         backend.stepper.separate_prompts = separate
@@ -64,8 +65,8 @@ def run(model: Path, *, separate: bool, sessions: int, prompt: int, threads: int
             next_token[seq] = (SESSION_PROMPT, first.token)
         marks: list[tuple[int, float]] = []
         started = time.perf_counter()
-        for position in range(0, prompt, CHUNK):
-            size = min(CHUNK, prompt - position)
+        for position in range(0, prompt, chunk):
+            size = min(chunk, prompt - position)
             works = [SeqWork(seq, (token,), at, sample=True)
                      for seq, (at, token) in next_token.items()]
             works.append(SeqWork(LONG_SEQ, random_tokens(rng, backend, size), position,
@@ -85,18 +86,20 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=None, help="GGUF (default: the demo)")
     parser.add_argument("--prompt", type=int, default=4096, help="the long prompt's tokens")
     parser.add_argument("--sessions", type=int, default=4, help="sessions decoding beside it")
+    parser.add_argument("--chunk", type=int, default=256, help="prompt rows per step")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     model = args.model or demo_model()
     results = {
         layout: run(model, separate=layout == "separate", sessions=args.sessions,
-                    prompt=args.prompt, threads=args.threads, seed=args.seed)
+                    prompt=args.prompt, chunk=args.chunk, threads=args.threads,
+                    seed=args.seed)
         for layout in ("one batch", "separate")
     }
     every = max(1, len(results["separate"][1]) // 8)
     table = Table(title=f"{model.name}: a {args.prompt}-token prompt beside "
-                        f"{args.sessions} decoding sessions, {CHUNK}-token chunks")
+                        f"{args.sessions} decoding sessions, {args.chunk}-token chunks")
     table.add_column("up to position", justify="right")
     for layout in results:
         table.add_column(f"{layout} step s", justify="right")
