@@ -63,14 +63,13 @@ class Stepper:
         """Evaluate the works in the shape the shaper chooses; their sampled tokens."""
         if not works:
             return []
-        decoding = [work for work in works if not work.prompt]
         prompting = [work for work in works if work.prompt]
-        prompt_rows = sum(len(work.tokens) for work in prompting)
-        if self.separate_prompts and decoding and prompt_rows >= SEPARATE_PROMPT_ROWS:
-            self.separated_steps += 1
-            decoded = self.run(decoding)
-            return decoded + self.decode(prompting, outputs=0)
         decode_only = not prompting
+        if (self.separate_prompts and not decode_only and len(prompting) < len(works)
+                and sum(len(work.tokens) for work in prompting) >= SEPARATE_PROMPT_ROWS):
+            self.separated_steps += 1
+            decoded = self.run([work for work in works if not work.prompt])
+            return decoded + self.decode(prompting, outputs=0)
         outputs = sum(1 for work in works if work.sample)
         shape = self.shaper.choose(outputs, decode_only=decode_only)
         self._decode_seconds = 0.0
