@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                             f"{defaults.DEFAULT_CELLS_PER_EXTRA_SESSION} per extra session)")
     serve.add_argument("--prefill-chunk", type=_positive, default=defaults.DEFAULT_PREFILL_CHUNK,
                        help="prompt tokens evaluated per engine step (default %(default)s)")
+    serve.add_argument("--decode-stall", type=float, default=defaults.DEFAULT_DECODE_STALL_SECONDS,
+                       help="seconds: while other requests stream, prompt chunks shrink (to 64 "
+                            "tokens at least) so that a step carrying one takes about this "
+                            "long; 0 = always --prefill-chunk (default %(default)s)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
                        help="llama.cpp threads (default: usable cores, %(default)s)")
     serve.add_argument("--step-shaping", action=argparse.BooleanOptionalAction, default=True,
@@ -146,7 +150,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         model=args.model, host=args.host, port=args.port, alias=args.alias,
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
-        threads=args.threads, step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
+        decode_stall=max(0.0, args.decode_stall), threads=args.threads,
+        step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         deterministic=args.deterministic,
         shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,

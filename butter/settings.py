@@ -19,6 +19,12 @@ DEFAULT_CELLS_PER_EXTRA_SESSION = 2048
 # Tokens evaluated per engine step across all prefilling sessions. Smaller chunks keep
 # decode latency of siblings low; larger ones prefill faster. Measured on 2 cores.
 DEFAULT_PREFILL_CHUNK = 256
+# With a value, while sessions decode, prompt chunks shrink (to 64 tokens at least) so that a
+# step carrying one takes about this long: each such step is a stall in every stream. Off by
+# default: on the Qwen3-0.6B shape (2 cores, an 8k prompt beside 4 streams) 0.5 s cut the
+# longest stall 8.5 -> 2.5 s and tripled the streams' rate, but cost the long prompt 19%
+# more time to its first token (docs/architecture.md).
+DEFAULT_DECODE_STALL_SECONDS = 0.0
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # After a stream's first content, SSE frames are written at most this often (seconds):
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
@@ -82,6 +88,7 @@ class ServeSettings:
     max_context: int | None = None
     kv_pool: int | None = None
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    decode_stall: float = DEFAULT_DECODE_STALL_SECONDS  # 0: chunks never shrink
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)

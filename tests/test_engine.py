@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import cast
 
 import pytest
 import trio
 import trio.lowlevel
 
-from butter.backends.base import RemoveTokens
+from butter.backends.base import Backend, KvOp, RemoveTokens, SeqWork, StepResult
 from butter.engine.engine import Engine, Generation, _wait_for
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
@@ -273,3 +274,87 @@ def test_step_times_fall_in_the_first_bucket_that_holds_them(resident: ResidentM
     assert (cumulative["0.005"], cumulative["0.01"], cumulative["0.25"]) == (1, 2, 2)
     assert (cumulative["0.5"], cumulative["2.5"], cumulative["+Inf"]) == (3, 3, 4)
     assert total == pytest.approx(3.311)
+
+
+class RecordingBackend:
+    """The real backend, with the work of each step the engine submits written down."""
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self.steps: list[list[SeqWork]] = []
+
+    def submit_step(self, ops: list[KvOp], works: list[SeqWork]) -> Future[list[StepResult]]:
+        self.steps.append(list(works))
+        return self._backend.submit_step(ops, works)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._backend, name)
+
+
+async def drain(pieces: AsyncIterator[list[bytes]]) -> None:
+    async for _ in pieces:
+        pass
+
+
+@pytest.fixture(scope="module", params=["gguf", "mlx"])
+def resident_256(request: pytest.FixtureRequest) -> Iterator[ResidentModel]:
+    """The tiny models again, loaded for 256-token prompt chunks."""
+    path: Path = request.getfixturevalue(f"tiny_{request.param}")
+    model = ResidentModel.load_sync(ServeSettings(model=str(path), parallel=2, max_context=1024,
+                                                  prefill_chunk=256, threads=2))
+    yield model
+    model.close()
+
+
+@pytest.mark.parametrize("decode_stall", [0.0, 1e-9])
+async def test_a_long_prompt_beside_a_stream_shrinks_its_chunks_to_the_stall(
+    resident_256: ResidentModel, decode_stall: float
+) -> None:
+    # A stall of 1 ns: every step that carries a chunk beside a decode is over it.
+    resident = resident_256
+    recorder = RecordingBackend(resident.backend)
+    engine = Engine(cast(Backend, recorder), parallel=2, max_context=1024, prefill_chunk=256,
+                    max_queue=8, decode_stall=decode_stall)
+    long_prompt = tokens(resident, "a very long prompt that keeps going " * 30)
+    decoded_beside: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        async with engine.generate(tokens(resident, PROMPTS[0]), SamplingParams(seed=3),
+                                   200) as streaming:
+            pieces = streaming.pieces()
+            await anext(pieces)  # it decodes now
+            async with trio.open_nursery() as reading:
+                reading.start_soon(drain, pieces)
+                await run(engine, long_prompt, seed=4, max_tokens=1)
+                decoded_beside.append(streaming.completion_tokens)
+                reading.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+    resident.backend.step([RemoveTokens(seq, -1, -1) for seq in range(2)], [])
+
+    assert decoded_beside[0] < 200  # it streamed through the whole prefill
+    beside_decodes = [sum(len(w.tokens) for w in step if w.prompt) for step in recorder.steps
+                      if any(w.prompt for w in step) and any(not w.prompt for w in step)]
+    assert sum(beside_decodes) == len(long_prompt)
+    if decode_stall:
+        assert beside_decodes[:3] == [256, 128, 64]
+        assert max(beside_decodes[3:]) == 64
+        assert engine.stats().decoding_prefill_budget == 64
+    else:
+        assert beside_decodes[:-1] == [256] * (len(beside_decodes) - 1)
+        assert engine.stats().decoding_prefill_budget == 256
+
+
+def test_decode_stall_flag_reaches_the_engine(tiny_gguf: Path) -> None:
+    from butter.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_gguf), "--decode-stall",
+                                      "0.75", "--prefill-chunk", "128", "--parallel", "2"])
+    resident = ResidentModel.load_sync(settings_from_args(args))
+    try:
+        budget = resident.engine.prefill_budget
+        assert (budget.stall, budget.full) == (0.75, 128)
+        assert resident.engine.stats().decoding_prefill_budget == 128
+    finally:
+        resident.close()
+    off = build_parser().parse_args(["serve", "--model", str(tiny_gguf)])
+    assert settings_from_args(off).decode_stall == 0.0  # off unless asked

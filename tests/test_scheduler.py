@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from butter.engine.scheduler import PendingWork, plan_step
+from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
 
 
 def _prefill(seq: int, n: int, start: int = 0) -> PendingWork:
@@ -41,3 +41,45 @@ def test_more_prefillers_than_budget_the_first_get_a_token_and_the_rest_wait() -
 
 def test_nothing_to_do() -> None:
     assert plan_step([], 256) == []
+
+
+def test_budget_is_full_while_nobody_decodes_whatever_steps_took() -> None:
+    budget = PrefillBudget(full=256, stall=0.5)
+    budget.observe(prompt_tokens=256, decode_rows=4, seconds=9.0)
+    assert budget.for_step(decoding=False) == 256
+    assert budget.for_step(decoding=True) == 128
+
+
+def test_slow_steps_beside_decodes_halve_the_budget_down_to_64() -> None:
+    budget = PrefillBudget(full=256, stall=0.5)
+    seen = []
+    for _ in range(4):
+        budget.observe(prompt_tokens=budget.for_step(decoding=True), decode_rows=2, seconds=2.0)
+        seen.append(budget.for_step(decoding=True))
+    assert seen == [128, 64, 64, 64]
+
+
+def test_fast_steps_double_it_back_and_steps_near_the_target_keep_it() -> None:
+    budget = PrefillBudget(full=256, stall=0.5, decoding_budget=64)
+    budget.observe(prompt_tokens=64, decode_rows=1, seconds=0.3)  # under stall, over a third
+    assert budget.for_step(decoding=True) == 64
+    budget.observe(prompt_tokens=64, decode_rows=1, seconds=0.1)
+    budget.observe(prompt_tokens=128, decode_rows=1, seconds=0.1)
+    budget.observe(prompt_tokens=256, decode_rows=1, seconds=0.1)
+    assert budget.for_step(decoding=True) == 256  # never past the full chunk
+
+
+def test_steps_without_both_kinds_of_rows_say_nothing_about_the_stall() -> None:
+    budget = PrefillBudget(full=256, stall=0.5)
+    budget.observe(prompt_tokens=256, decode_rows=0, seconds=9.0)  # nobody was waiting
+    budget.observe(prompt_tokens=0, decode_rows=8, seconds=9.0)  # no chunk to shrink
+    assert budget.for_step(decoding=True) == 256
+
+
+def test_stall_zero_keeps_the_full_chunk_and_a_small_chunk_is_its_own_floor() -> None:
+    off = PrefillBudget(full=256, stall=0.0)
+    off.observe(prompt_tokens=256, decode_rows=4, seconds=9.0)
+    assert off.for_step(decoding=True) == 256
+    small = PrefillBudget(full=16, stall=0.5)
+    small.observe(prompt_tokens=16, decode_rows=4, seconds=9.0)
+    assert small.for_step(decoding=True) == 16  # never raised to MIN_DECODING_BUDGET

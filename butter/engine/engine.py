@@ -36,7 +36,7 @@ from butter.backends.base import (
 )
 from butter.chat.request import Logprobs
 from butter.engine.admission import Admission, Ticket
-from butter.engine.scheduler import PendingWork, plan_step
+from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
 from butter.errors import ContextLengthExceeded
 from butter.kv import KvWindow
 from butter.sampling import SamplingParams
@@ -179,6 +179,9 @@ class EngineStats:
     slots: int
     steps: int
     session_cells: tuple[int, ...]  # cached positions per session (busy or idle)
+    # Prompt tokens a step may carry while sessions decode (PrefillBudget), and at most.
+    decoding_prefill_budget: int = 0
+    prefill_chunk: int = 0
     # Totals over every request that ran (since the engine started):
     requests_done: int = 0
     prompt_tokens: int = 0
@@ -201,12 +204,14 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 class Engine:
     def __init__(
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
-        max_queue: int, window: KvWindow | None = None,
+        max_queue: int, window: KvWindow | None = None, decode_stall: float = 0.0,
     ) -> None:
+        """`decode_stall`: while sessions decode, shrink prompt chunks so that a step
+        carrying one takes about this long (seconds; 0: always `prefill_chunk`)."""
         self.backend = backend
         self.window = window
         self.max_context = max_context
-        self.prefill_chunk = prefill_chunk
+        self.prefill_budget = PrefillBudget(full=prefill_chunk, stall=decode_stall)
         self.admission = Admission(slots=parallel, cells=backend.n_cells, max_queue=max_queue)
         self._sessions = [Session(seq=i) for i in range(parallel)]
         self._joining: list[Generation] = []
@@ -282,6 +287,8 @@ class Engine:
             ),
             slots=admission.slots, steps=self._steps,
             session_cells=tuple(len(s.kv_tokens) for s in self._sessions),
+            decoding_prefill_budget=self.prefill_budget.decoding_budget,
+            prefill_chunk=self.prefill_budget.full,
             **self._totals,
         )
 
@@ -306,7 +313,9 @@ class Engine:
                 self._detach_closed()
                 self._attach_joining()
                 self._slide_windows()
-                works = plan_step(self._pending_work(), self.prefill_chunk)
+                pending = self._pending_work()
+                decoding = any(p.decoding and p.pending for p in pending)
+                works = plan_step(pending, self.prefill_budget.for_step(decoding))
                 if not works and not self._ops:
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()
@@ -330,7 +339,12 @@ class Engine:
             return
         finally:
             self.step_started = None
-        self._observe_step(time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self._observe_step(seconds)
+        self.prefill_budget.observe(
+            prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
+            decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
+        )
         self._record(works, sampled)
 
     def _slide_windows(self) -> None:

@@ -3,6 +3,9 @@
 Every decoding session contributes its one next token. The prefill budget is split
 into equal chunks over the prefilling sessions (earliest admitted first takes any
 remainder), so a long prompt never stalls the others for more than one chunk.
+
+How large that chunk may be while others decode is `PrefillBudget`'s call: a session gets
+one token per step, so a step that carries a chunk is a stall for everyone streaming.
 """
 
 from __future__ import annotations
@@ -23,6 +26,47 @@ class PendingWork:
     pending: tuple[int, ...]
     decoding: bool  # pending is the one sampled token, not prompt
     score: int | None = None  # score the prompt's tokens (SeqWork.score)
+
+
+# The smallest chunk the budget shrinks to while sessions decode. llama.cpp's CPU flash
+# attention computes queries in 64-row tiles, and a partial tile costs a full one: below 64
+# rows a chunk would pay for attention it does not get (docs/architecture.md).
+MIN_DECODING_BUDGET = 64
+
+
+@attrs.define
+class PrefillBudget:
+    """The prompt tokens one step may carry: `full` when nobody decodes (time to first
+    token is all that matters then), and while sessions decode, as much as keeps a step
+    near `stall` seconds. A prompt chunk's attention spans the whole prompt so far, so
+    the same chunk that takes 50 ms at the start of a 16k prompt takes seconds at its end
+    (2 cores), while the cost per prompt token barely depends on the chunk's size.
+
+    Steps that carry both are measured: over `stall` the budget halves (down to
+    MIN_DECODING_BUDGET), under a third of it the budget doubles (up to `full`), so one
+    change cannot overshoot the other way. `stall` 0 turns this off."""
+
+    full: int
+    stall: float
+    decoding_budget: int = attrs.field()
+
+    @decoding_budget.default
+    def _start_full(self) -> int:
+        return self.full
+
+    def for_step(self, decoding: bool) -> int:
+        """The budget for a step, given whether any session decodes in it."""
+        return self.decoding_budget if decoding else self.full
+
+    def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
+        """Adjust to a step that took `seconds` (only steps carrying both count)."""
+        if self.stall <= 0 or prompt_tokens == 0 or decode_rows == 0:
+            return
+        floor = min(MIN_DECODING_BUDGET, self.full)
+        if seconds > self.stall:
+            self.decoding_budget = max(floor, self.decoding_budget // 2)
+        elif seconds < self.stall / 3:
+            self.decoding_budget = min(self.full, self.decoding_budget * 2)
 
 
 def plan_step(sessions: Sequence[PendingWork], prefill_budget: int) -> list[SeqWork]:

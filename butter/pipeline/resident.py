@@ -74,7 +74,7 @@ class ResidentModel:
         self.engine = Engine(
             backend, parallel=settings.parallel, max_context=self.max_context,
             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
-            window=self.window,
+            window=self.window, decode_stall=settings.decode_stall,
         )
         self.kv_requested = settings.kv_cache
         self.strict_max_tokens = settings.strict_max_tokens
