@@ -33,6 +33,18 @@ def test_candidates_keep_single_rows_and_small_batches_exact() -> None:
     assert candidates(8, decode_only=True) == (Shape.PLAIN,)
     assert candidates(13, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
     assert candidates(6, decode_only=False) == (Shape.PLAIN,)  # prompt logits stay exact
+
+
+def test_llama_cpps_projection_is_a_candidate_only_where_offered() -> None:
+    assert candidates(1, decode_only=True, head_choice=True) == (Shape.PLAIN, Shape.LLAMA_HEAD)
+    assert Shape.LLAMA_HEAD in candidates(6, decode_only=True, head_choice=True)
+    assert candidates(1, decode_only=False, head_choice=True) == (Shape.PLAIN,)
+    shaper = StepShaper(trials=2, revisit_every=50, head_choice=True)
+    for _ in range(2):
+        shaper.observe(1, Shape.PLAIN, 0.033)
+        shaper.observe(1, Shape.LLAMA_HEAD, 0.031)
+    assert shaper.choose(1, decode_only=True) is Shape.LLAMA_HEAD
+    assert shaper.verdicts() == {1: "llama-head"}
     assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
 
 
@@ -172,6 +184,30 @@ def test_decode_rows_beside_a_long_prompt_chunk_go_first_on_their_own(
     assert backend.model.batch.n_tokens == 2 + 16
 
 
+@pytest.mark.parametrize("repack", [True, False], ids=["repacked", "deterministic"])
+def test_llama_head_rows_are_llama_cpps_own_logits(tiny_gguf: Path, repack: bool) -> None:
+    def load(fast: bool) -> LlamaCppBackend:
+        return LlamaCppBackend(tiny_gguf, n_cells=2048, n_seq=8, n_batch=256, threads=2,
+                               fast_lm_head=fast, repack=repack)
+
+    ours, theirs = load(True), load(False)
+    try:
+        if not ours.lm_head.startswith("butter"):
+            pytest.skip(f"butter's output projection does not apply here: {ours.lm_head}")
+        # Offered only where both projections exist and exactness was not asked for.
+        assert ours.shaper.head_choice is repack and theirs.shaper.head_choice is False
+        logits = []
+        for backend in (ours, theirs):
+            works = _prefill(backend, range(2))
+            backend.stepper.decode(works, outputs=0, ours=False)
+            assert backend.stepper.ours is False
+            logits.append(_logits(backend, 2))
+        assert np.array_equal(logits[0], logits[1])
+    finally:
+        ours.close()
+        theirs.close()
+
+
 # ------------------------------------------------------------------ served
 
 
@@ -205,8 +241,9 @@ async def test_server_reports_the_shapes_it_chose(tiny_gguf: Path) -> None:
                 for seed in range(2):
                     nursery.start_soon(ask, seed)
             meta = (await client.get("/server")).json()["model"]["meta"]
-        # Two decoding side by side: plain and split were each timed, one was kept.
-        assert meta["step_shapes"]["2"] in ("plain", "split")
+        # Two decoding side by side: plain, split and llama.cpp's projection were each
+        # timed, one was kept.
+        assert meta["step_shapes"]["2"] in ("plain", "split", "llama-head")
         # Who computed the logits, and no step had to be evaluated again.
         assert meta["lm_head"]["by"].startswith(("butter (", "llama.cpp ("))
         assert meta["lm_head"]["redone_steps"] == 0

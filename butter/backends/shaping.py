@@ -9,14 +9,19 @@ one of three shapes:
 - PLAIN: the rows as they are;
 - PADDED: logits requested on scratch rows up to the next multiple of 8, so that the
   projection runs on the batched kernels;
-- SPLIT: one decode per row (decode-only steps of 2-3 rows).
+- SPLIT: one decode per row (decode-only steps of 2-3 rows);
+- LLAMA_HEAD: the rows as they are, with llama.cpp's own output projection instead of
+  butter's (offered only where butter's is loaded and exactness is not asked for). Where
+  butter's kernel serves a matrix requantized to Q8_0 (Q6_K in Q4_K_M files: 30% more
+  bytes), llama.cpp's reads less, and a one-row step, bound by memory, can be faster on it.
 
 Which one wins depends on the hardware and the model, so the shaper times the candidates
 on decode-only steps (the llama_decode calls only, same rows, different layout), keeps the
 fastest, and revisits the others now and then. Candidates are limited so that results stay
-exact where they were: steps with prompt rows and single rows are always PLAIN; SPLIT
-evaluates each row as it would be alone; PADDED is only offered from 5 rows of a group of
-8, where rows already share batched kernels.
+exact where they were: steps with prompt rows are always PLAIN, and single rows PLAIN
+unless LLAMA_HEAD is offered (never with `--deterministic`); SPLIT evaluates each row as it
+would be alone; PADDED is only offered from 5 rows of a group of 8, where rows already share
+batched kernels.
 """
 
 from __future__ import annotations
@@ -34,13 +39,18 @@ class Shape(Enum):
     PLAIN = "plain"
     PADDED = "padded"
     SPLIT = "split"
+    LLAMA_HEAD = "llama-head"
 
 
-def candidates(outputs: int, *, decode_only: bool) -> tuple[Shape, ...]:
-    """The shapes worth trying for a step that samples `outputs` rows."""
+def candidates(outputs: int, *, decode_only: bool, head_choice: bool = False
+               ) -> tuple[Shape, ...]:
+    """The shapes worth trying for a step that samples `outputs` rows (`head_choice`:
+    whether llama.cpp's projection may stand in for butter's)."""
     if not decode_only:
         return (Shape.PLAIN,)
     shapes = [Shape.PLAIN]
+    if head_choice:
+        shapes.append(Shape.LLAMA_HEAD)
     if outputs % PAD_MULTIPLE >= MIN_PADDED_REMAINDER:
         shapes.append(Shape.PADDED)
     if 2 <= outputs <= MAX_SPLIT_ROWS:
@@ -56,10 +66,11 @@ class StepShaper:
     """Per output-row count: recent step times of each candidate shape, and the choice."""
 
     def __init__(self, *, trials: int = 3, revisit_every: int = 200, window: int = 5,
-                 enabled: bool = True) -> None:
+                 enabled: bool = True, head_choice: bool = False) -> None:
         self.trials = trials  # timings of each candidate before trusting a choice
         self.revisit_every = revisit_every  # decode-only steps between re-measurements
         self.enabled = enabled
+        self.head_choice = head_choice  # LLAMA_HEAD is a candidate (see `candidates`)
         self._window = window
         self._times: dict[tuple[int, Shape], deque[float]] = {}
         self._since_revisit: dict[int, int] = {}
@@ -70,7 +81,7 @@ class StepShaper:
             # prompt's first logits on other kernels than a cold prefill's (the guarantee
             # in llama_cpp.MIN_PROMPT_ROWS).
             return Shape.PLAIN
-        options = candidates(outputs, decode_only=True)
+        options = self._candidates(outputs)
         if len(options) == 1:
             return options[0]
         untried = [s for s in options if len(self._timings(outputs, s)) < self.trials]
@@ -94,7 +105,7 @@ class StepShaper:
 
     def best(self, outputs: int) -> Shape | None:
         """The fastest measured candidate, or None before every one has its trials."""
-        options = candidates(outputs, decode_only=True)
+        options = self._candidates(outputs)
         timed = {s: self._times.get((outputs, s), ()) for s in options}
         if any(len(t) < self.trials for t in timed.values()):
             return None
@@ -105,6 +116,9 @@ class StepShaper:
         counts = sorted({outputs for outputs, _ in list(self._times)})  # (a worker adds keys)
         chosen = {outputs: self.best(outputs) for outputs in counts}
         return {outputs: shape.value for outputs, shape in chosen.items() if shape is not None}
+
+    def _candidates(self, outputs: int) -> tuple[Shape, ...]:
+        return candidates(outputs, decode_only=True, head_choice=self.head_choice)
 
     def _timings(self, outputs: int, shape: Shape) -> deque[float]:
         return self._times.setdefault((outputs, shape), deque(maxlen=self._window))

@@ -76,6 +76,8 @@ class Stepper:
         if shape is Shape.SPLIT:
             sampled: list[StepResult] = [
                 s for work in works for s in self.decode([work], outputs=0)]
+        elif shape is Shape.LLAMA_HEAD:
+            sampled = self.decode(works, outputs=0, ours=False)
         else:
             wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
             sampled = self.decode(works, outputs=wanted)
@@ -83,13 +85,16 @@ class Stepper:
             self.shaper.observe(outputs, shape, self._decode_seconds)
         return sampled
 
-    def decode(self, works: list[SeqWork], *, outputs: int) -> list[StepResult]:
+    def decode(self, works: list[SeqWork], *, outputs: int, ours: bool = True
+               ) -> list[StepResult]:
         """One llama_decode of these works (logits on at least `outputs` rows), sampled
-        (and scored, for works that ask)."""
+        (and scored, for works that ask). `ours`: butter's projection where it can;
+        False: llama.cpp's."""
         model = self._model
         sample_rows, score_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
         head = model.lm_head
-        status, verdict = self._evaluate(head is not None and n_outputs <= head.rows, n_outputs)
+        armed = ours and head is not None and n_outputs <= head.rows
+        status, verdict = self._evaluate(armed, n_outputs)
         if status == 0 and verdict is Verdict.NEITHER:
             # llama.cpp split the step into micro-batches: butter's logits may be out of
             # order and llama.cpp's incomplete. Rare (a fragmented sliding-window cache);
