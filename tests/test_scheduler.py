@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
+from butter.backends.base import SeqWork
 from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
 
 
@@ -83,3 +87,46 @@ def test_stall_zero_keeps_the_full_chunk_and_a_small_chunk_is_its_own_floor() ->
     small = PrefillBudget(full=16, stall=0.5)
     small.observe(prompt_tokens=16, decode_rows=4, seconds=9.0)
     assert small.for_step(decoding=True) == 16  # never raised to MIN_DECODING_BUDGET
+
+
+def _sizes(works: list[SeqWork]) -> dict[int, int]:
+    return {w.seq: len(w.tokens) for w in works}
+
+
+def test_a_burst_of_prompts_a_little_over_their_share_finishes_all_it_can() -> None:
+    works = plan_step([_prefill(i, 33) for i in range(8)], 256)  # 264 tokens against 256
+    assert _sizes(works) == {**dict.fromkeys(range(7), 33), 7: 25}
+    assert [w.sample for w in works] == [True] * 7 + [False]  # seven first tokens now
+
+
+def test_budget_a_later_short_prompt_leaves_goes_back_to_the_long_one() -> None:
+    assert _sizes(plan_step([_prefill(0, 1000), _prefill(1, 10)], 256)) == {0: 246, 1: 10}
+
+
+def test_a_long_prompt_gives_short_ones_their_tails_but_keeps_half_its_share() -> None:
+    sizes = _sizes(plan_step([_prefill(0, 5000)] + [_prefill(i, 33) for i in range(1, 8)],
+                             256))
+    assert all(sizes[i] == 33 for i in range(1, 8))
+    assert sizes[0] == 256 - 7 * 33 == 25 and sizes[0] >= 32 // 2
+
+
+def test_long_prompts_still_share_equally() -> None:
+    assert _sizes(plan_step([_prefill(0, 900), _prefill(1, 700)], 256)) == {0: 128, 1: 128}
+
+
+@given(needs=st.lists(st.integers(1, 600), min_size=1, max_size=8),
+       budget=st.integers(1, 512))
+def test_chunks_fit_the_budget_and_keep_half_of_an_equal_share(needs: list[int],
+                                                               budget: int) -> None:
+    prompts = [_prefill(i, n) for i, n in enumerate(needs)]
+    sizes = _sizes(plan_step(prompts, budget))
+    assert sum(sizes.values()) <= budget
+    assert all(0 < sizes[i] <= n for i, n in enumerate(needs) if i in sizes)
+    share = max(1, budget // len(needs))
+    for i, n in enumerate(needs):
+        # Nobody drops below half of an equal share, and whoever would finish still does.
+        assert sizes.get(i, 0) >= min(n, share // 2) or budget < len(needs)
+    if sum(needs) <= budget:
+        assert sizes == dict(enumerate(needs))
+    elif budget >= len(needs):
+        assert sum(sizes.values()) == budget  # nothing left unused while prompts wait

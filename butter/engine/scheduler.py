@@ -1,8 +1,9 @@
 """Plan one engine step (pure): which tokens of which sessions go into one decode.
 
 Every decoding session contributes its one next token. The prefill budget is split
-into equal chunks over the prefilling sessions (earliest admitted first takes any
-remainder), so a long prompt never stalls the others for more than one chunk.
+into equal chunks over the prefilling sessions (the first in session order takes any
+remainder), so a long prompt never stalls the others for more than one chunk, then
+shifted so that the prompts this step can finish do (`_chunk_sizes`).
 
 How large that chunk may be while others decode is `PrefillBudget`'s call: a session gets
 one token per step, so a step that carries a chunk is a stall for everyone streaming.
@@ -91,11 +92,50 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int) -> list[SeqW
 
 
 def _chunk_sizes(prefilling: Sequence[PendingWork], budget: int) -> list[int]:
+    """Equal shares of the budget, then whatever finishes prompts this step.
+
+    Equal shares keep long prompts fair to each other, but leave a burst of similar short
+    prompts (8 chat requests of ~33 tokens against 256) all a token or two short, so none
+    would get its first token from this step. So, in session order, a prompt left short is
+    topped up to its end from the budget nobody used, else from prompts that cannot finish
+    in this step anyway (longest first, each giving at most half of its share). Budget
+    still unused then goes to the unfinished prompts, in session order."""
+    needs = [len(session.pending) for session in prefilling]
+    sizes = _equal_shares(needs, budget)
+    givable = [size // 2 if size < need else 0 for size, need in zip(sizes, needs, strict=True)]
+    spare = budget - sum(sizes)
+    for index, need in enumerate(needs):
+        short = need - sizes[index]
+        if short <= 0:
+            continue
+        donors = sorted(
+            (j for j in range(len(needs)) if j != index and givable[j] and sizes[j] < needs[j]),
+            key=lambda j: (-needs[j], -j),
+        )
+        if short > spare + sum(givable[j] for j in donors):
+            continue  # it cannot finish in this step: leave the shares as they are
+        from_spare = min(short, spare)
+        spare -= from_spare
+        short -= from_spare
+        for j in donors:
+            given = min(givable[j], short)
+            sizes[j] -= given
+            givable[j] -= given
+            short -= given
+        sizes[index] = need
+    for index, need in enumerate(needs):
+        extra = min(spare, need - sizes[index])
+        sizes[index] += extra
+        spare -= extra
+    return sizes
+
+
+def _equal_shares(needs: Sequence[int], budget: int) -> list[int]:
     """Equal shares of the budget; unused share of short prompts flows to the next ones."""
-    sizes = [0] * len(prefilling)
+    sizes = [0] * len(needs)
     remaining = budget
-    for index, session in enumerate(prefilling):
-        share = max(1, remaining // (len(prefilling) - index)) if remaining > 0 else 0
-        sizes[index] = min(len(session.pending), share)
+    for index, need in enumerate(needs):
+        share = max(1, remaining // (len(needs) - index)) if remaining > 0 else 0
+        sizes[index] = min(need, share)
         remaining -= sizes[index]
     return sizes
