@@ -22,7 +22,7 @@ DEFAULT_PREFILL_CHUNK = 256
 # With a value, while sessions decode, prompt chunks shrink (to 64 tokens at least) so that a
 # step carrying one takes about this long: each such step is a stall in every stream. Off by
 # default: on the Qwen3-0.6B shape (2 cores, an 8k prompt beside 4 streams) 0.5 s cut the
-# longest stall 8.5 -> 2.5 s and tripled the streams' rate, but cost the long prompt 19%
+# longest stall 8.5 -> 2.5 s and tripled the streams' rate, but cost the long prompt 9-19%
 # more time to its first token (docs/architecture.md).
 DEFAULT_DECODE_STALL_SECONDS = 0.0
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
