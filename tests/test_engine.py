@@ -14,6 +14,7 @@ import trio
 import trio.lowlevel
 
 from butter.backends.base import Backend, KvOp, RemoveTokens, SeqWork, StepResult
+from butter.backends.llama_cpp import LlamaCppBackend
 from butter.engine.engine import Engine, Generation, _wait_for
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
@@ -358,3 +359,34 @@ def test_decode_stall_flag_reaches_the_engine(tiny_gguf: Path) -> None:
         resident.close()
     off = build_parser().parse_args(["serve", "--model", str(tiny_gguf)])
     assert settings_from_args(off).decode_stall == 0.0  # off unless asked
+
+
+async def test_prompts_prefilled_together_are_cut_to_the_backends_tiles(
+    resident_256: ResidentModel
+) -> None:
+    resident = resident_256
+    recorder = RecordingBackend(resident.backend)
+    engine = Engine(cast(Backend, recorder), parallel=2, max_context=1024, prefill_chunk=256,
+                    max_queue=8)
+    first = tokens(resident, "one prompt that goes on and on " * 40)[:300]
+    second = tokens(resident, "another prompt, longer than the first " * 60)[:600]
+    assert (len(first), len(second)) == (300, 600)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        async with trio.open_nursery() as requests:
+            requests.start_soon(run, engine, first, 5, 1)
+            requests.start_soon(run, engine, second, 6, 1)
+        nursery.cancel_scope.cancel()
+    resident.backend.step([RemoveTokens(seq, -1, -1) for seq in range(2)], [])
+
+    shared = [[w for w in step if w.prompt] for step in recorder.steps
+              if sum(1 for w in step if w.prompt) == 2]
+    assert shared  # the two prompts met in a step at least once
+    ends = {len(first), len(second)}
+    going_on = [len(w.tokens) for step in shared for w in step if w.start + len(w.tokens)
+                not in ends]
+    if resident.backend.prompt_tile == 1:  # mlx evaluates each prompt alone
+        assert not isinstance(resident.backend, LlamaCppBackend)
+    else:  # llama.cpp on the CPU: whole 64-row flash-attention tiles
+        assert resident.backend.prompt_tile == 64
+        assert going_on and all(size % 64 == 0 for size in going_on)

@@ -130,3 +130,40 @@ def test_chunks_fit_the_budget_and_keep_half_of_an_equal_share(needs: list[int],
         assert sizes == dict(enumerate(needs))
     elif budget >= len(needs):
         assert sum(sizes.values()) == budget  # nothing left unused while prompts wait
+
+
+def test_prompts_sharing_a_step_get_whole_tiles_the_least_advanced_first() -> None:
+    prompts = [_prefill(0, 4000, start=900), _prefill(1, 4000, start=100),
+               _prefill(2, 4000, start=500)]
+    assert _sizes(plan_step(prompts, 256)) == {0: 85, 1: 85, 2: 86}  # no tiles: equal
+    assert _sizes(plan_step(prompts, 256, tile=64)) == {0: 64, 1: 128, 2: 64}
+
+
+def test_a_prompt_ending_here_keeps_its_size_and_goes_last_in_the_batch() -> None:
+    works = plan_step([_prefill(0, 100), _prefill(1, 5000, start=64)], 256, tile=64)
+    assert [(w.seq, len(w.tokens)) for w in works] == [(1, 128), (0, 100)]
+    assert works[1].sample and not works[0].sample
+
+
+def test_without_one_whole_tile_the_step_is_left_as_it_was() -> None:
+    prompts = [_prefill(0, 500), _prefill(1, 500)]
+    assert _sizes(plan_step(prompts, 48, tile=64)) == _sizes(plan_step(prompts, 48)) == {
+        0: 24, 1: 24}
+
+
+@given(needs=st.lists(st.integers(1, 600), min_size=2, max_size=8),
+       starts=st.lists(st.integers(0, 4000), min_size=8, max_size=8),
+       budget=st.integers(1, 512))
+def test_tiled_chunks_fit_the_budget_and_someone_always_progresses(
+    needs: list[int], starts: list[int], budget: int
+) -> None:
+    prompts = [_prefill(i, n, start=starts[i]) for i, n in enumerate(needs)]
+    works = plan_step(prompts, budget, tile=64)
+    sizes = _sizes(works)
+    assert 0 < sum(sizes.values()) <= budget
+    assert all(0 < sizes[i] <= n for i, n in enumerate(needs) if i in sizes)
+    untiled = _sizes(plan_step(prompts, budget))
+    if sizes != untiled:  # aligned: every chunk that goes on is whole tiles, and comes first
+        going_on = [w for w in works if len(w.tokens) < needs[w.seq]]
+        assert all(len(w.tokens) % 64 == 0 for w in going_on)
+        assert works[:len(going_on)] == going_on

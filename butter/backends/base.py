@@ -144,6 +144,10 @@ class Backend(Protocol):
     # or copied in part (recurrent state: 1; a sliding-window cache once it wraps around:
     # the window); None: always.
     rewind_limit: int | None
+    # Prompt rows are evaluated in tiles of this many batch rows, and a tile holding two
+    # sequences' rows costs what the union of their attention costs (llama.cpp's CPU flash
+    # attention: 64); 1: no such tiles. The step planner cuts chunks to match.
+    prompt_tile: int
 
     @property
     def kv_bytes_per_token(self) -> float: ...

@@ -315,7 +315,8 @@ class Engine:
                 self._slide_windows()
                 pending = self._pending_work()
                 decoding = any(p.decoding and p.pending for p in pending)
-                works = plan_step(pending, self.prefill_budget.for_step(decoding))
+                works = plan_step(pending, self.prefill_budget.for_step(decoding),
+                                  self.backend.prompt_tile)
                 if not works and not self._ops:
                     await self._wakeup.wait()
                     self._wakeup = trio.Event()

@@ -70,14 +70,26 @@ class PrefillBudget:
             self.decoding_budget = min(self.full, self.decoding_budget * 2)
 
 
-def plan_step(sessions: Sequence[PendingWork], prefill_budget: int) -> list[SeqWork]:
+def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 1
+              ) -> list[SeqWork]:
+    """One step's works: every decoding session's token, then the prompt chunks (`tile`:
+    the backend's Backend.prompt_tile)."""
     works = [
         SeqWork(seq=s.seq, tokens=s.pending, start=s.start, sample=True)
         for s in sessions
         if s.decoding and s.pending
     ]
     prefilling = [s for s in sessions if not s.decoding and s.pending]
-    for s, size in zip(prefilling, _chunk_sizes(prefilling, prefill_budget), strict=True):
+    sizes = _chunk_sizes(prefilling, prefill_budget)
+    if tile > 1 and sum(1 for size in sizes if size) > 1:
+        sizes = _whole_tiles(prefilling, sizes, prefill_budget, tile)
+        # Chunks that stop short of their prompt's end (whole tiles) first, so that the
+        # prompts ending here share at most the batch's last tiles.
+        order = sorted(range(len(prefilling)),
+                       key=lambda i: sizes[i] == len(prefilling[i].pending))
+        prefilling = [prefilling[i] for i in order]
+        sizes = [sizes[i] for i in order]
+    for s, size in zip(prefilling, sizes, strict=True):
         if size == 0:
             continue
         chunk = s.pending[:size]
@@ -127,6 +139,32 @@ def _chunk_sizes(prefilling: Sequence[PendingWork], budget: int) -> list[int]:
         extra = min(spare, need - sizes[index])
         sizes[index] += extra
         spare -= extra
+    return sizes
+
+
+def _whole_tiles(prefilling: Sequence[PendingWork], sizes: list[int], budget: int,
+                 tile: int) -> list[int]:
+    """The same step cut so that every chunk that does not end its prompt is whole tiles.
+
+    A backend tile holding two prompts' rows computes each against what either sees
+    (llama.cpp's flash attention skips a block of the cache only where the whole tile is
+    masked from it): 3 prompts of 4k on the demo prefill in 28.7 s in whole tiles against
+    37.2 s in shares of 85 (benchmarks/prompts_together.py, docs/architecture.md).
+    Prompts that end in this step keep their size; the budget they leave is split into
+    tiles among the others, the extra tiles going to the least advanced (with fewer tiles
+    than prompts, those furthest behind go first). Where not one whole tile is left, the
+    step stays as it was."""
+    needs = [len(s.pending) for s in prefilling]
+    sizes = list(sizes)
+    ending = [i for i, size in enumerate(sizes) if size == needs[i]]
+    going_on = sorted((i for i in range(len(needs)) if i not in ending),
+                      key=lambda i: prefilling[i].start)
+    tiles = max(0, budget - sum(sizes[i] for i in ending)) // tile
+    if not going_on or tiles == 0:  # (not one whole tile left: as they are, never starved)
+        return sizes
+    each, extra = divmod(tiles, len(going_on))
+    for rank, i in enumerate(going_on):
+        sizes[i] = min(needs[i], (each + (rank < extra)) * tile)
     return sizes
 
 

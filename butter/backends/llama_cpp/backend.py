@@ -27,7 +27,7 @@ from butter.backends.base import (
 )
 from butter.backends.llama_cpp.loading import LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
-from butter.backends.llama_cpp.stepping import Stepper
+from butter.backends.llama_cpp.stepping import PROMPT_TILE_ROWS, Stepper
 from butter.backends.shaping import StepShaper
 from butter.backends.worker import BackendWorker
 from butter.kv import KvCacheType
@@ -61,8 +61,9 @@ class LlamaCppBackend:
         self.samplers = Samplers(self.model)
         self.shaper = StepShaper(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
-        self.stepper = Stepper(self.model, self.samplers, self.shaper,
-                               separate_prompts=not ll.llama_supports_gpu_offload())
+        cpu = not ll.llama_supports_gpu_offload()
+        self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu)
+        self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self._worker = BackendWorker("butter-llama", free=self._free)
         if self.model.lm_head is not None:
             try:

@@ -31,6 +31,9 @@ SampleRow = tuple[int, int, int]
 # cheaper (measured in docs/architecture.md, "Decode rows beside a prompt chunk"). Smaller
 # steps stay on the per-row kernel, where mixing costs nothing.
 SEPARATE_PROMPT_ROWS = 64
+# The same tiles, for the step planner: chunks of several prompts in one batch are cut to
+# whole tiles, so no tile holds two sequences' rows (Backend.prompt_tile).
+PROMPT_TILE_ROWS = 64
 
 
 @attrs.frozen

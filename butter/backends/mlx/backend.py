@@ -46,6 +46,7 @@ class MlxBackend:
         self.n_seq = n_seq
         self.can_shift = False
         self.rewind_limit = self.model.rewind_limit
+        self.prompt_tile = 1  # mlx evaluates each sequence's prompt on its own
         self.caches = SessionCaches(self.model)
         self.grammars = LlguidanceGrammars(self.model)
         self.samplers = Samplers(self.model, self.grammars)
