@@ -342,10 +342,11 @@ class Engine:
             self.step_started = None
         seconds = time.perf_counter() - started
         self._observe_step(seconds)
-        self.prefill_budget.observe(
-            prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
-            decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
-        )
+        if self.prefill_budget.adapts:  # (off by default: no counting on every step)
+            self.prefill_budget.observe(
+                prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
+                decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
+            )
         self._record(works, sampled)
 
     def _slide_windows(self) -> None:

@@ -55,13 +55,18 @@ class PrefillBudget:
     def _start_full(self) -> int:
         return self.full
 
+    @property
+    def adapts(self) -> bool:
+        """Whether steps are measured at all (a `stall` target is set)."""
+        return self.stall > 0
+
     def for_step(self, decoding: bool) -> int:
         """The budget for a step, given whether any session decodes in it."""
         return self.decoding_budget if decoding else self.full
 
     def observe(self, prompt_tokens: int, decode_rows: int, seconds: float) -> None:
         """Adjust to a step that took `seconds` (only steps carrying both count)."""
-        if self.stall <= 0 or prompt_tokens == 0 or decode_rows == 0:
+        if not self.adapts or prompt_tokens == 0 or decode_rows == 0:
             return
         floor = min(MIN_DECODING_BUDGET, self.full)
         if seconds > self.stall:
@@ -156,7 +161,7 @@ def _whole_tiles(prefilling: Sequence[PendingWork], sizes: list[int], budget: in
     step stays as it was."""
     needs = [len(s.pending) for s in prefilling]
     sizes = list(sizes)
-    ending = [i for i, size in enumerate(sizes) if size == needs[i]]
+    ending = {i for i, size in enumerate(sizes) if size == needs[i]}
     going_on = sorted((i for i in range(len(needs)) if i not in ending),
                       key=lambda i: prefilling[i].start)
     tiles = max(0, budget - sum(sizes[i] for i in ending)) // tile

@@ -22,18 +22,19 @@ from butter.chat.request import Logprobs
 SampleRow = tuple[int, int, int]
 
 # llama.cpp's CPU flash attention evaluates queries in tiles of this many rows
-# (GGML_FA_TILE_Q): a tile that holds other sessions' decode rows beside a prompt chunk
-# cannot skip the cache blocks its chunk rows never see (other sessions' cells, and on
-# sliding-window layers everything outside the window) and is computed against the whole
-# cache, and the few extra rows leave partial tiles that cost as much as whole ones. A step
-# with at least this many prompt rows therefore evaluates its decode rows first, on their
-# own, then the prompt rows: one more pass over the weights, for a step that is 10-25%
-# cheaper (measured in docs/architecture.md, "Decode rows beside a prompt chunk"). Smaller
-# steps stay on the per-row kernel, where mixing costs nothing.
-SEPARATE_PROMPT_ROWS = 64
-# The same tiles, for the step planner: chunks of several prompts in one batch are cut to
-# whole tiles, so no tile holds two sequences' rows (Backend.prompt_tile).
+# (GGML_FA_TILE_Q), and skips a block of the cache only where the whole tile is masked from
+# it. The step planner cuts the chunks of several prompts in one batch to whole tiles, so no
+# tile holds two sequences' rows (Backend.prompt_tile).
 PROMPT_TILE_ROWS = 64
+# A tile that holds other sessions' decode rows beside a prompt chunk cannot skip the cache
+# blocks its chunk rows never see (other sessions' cells, and on sliding-window layers
+# everything outside the window) and is computed against the whole cache, and the few extra
+# rows leave partial tiles that cost as much as whole ones. A step with at least a tile of
+# prompt rows therefore evaluates its decode rows first, on their own, then the prompt rows:
+# one more pass over the weights, for a step that is 10-25% cheaper (measured in
+# docs/architecture.md, "Decode rows beside a prompt chunk"). Smaller steps stay on the
+# per-row kernel, where mixing costs nothing.
+SEPARATE_PROMPT_ROWS = PROMPT_TILE_ROWS
 
 
 @attrs.frozen
