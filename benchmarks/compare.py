@@ -1104,22 +1104,31 @@ def matrix_entries(args: argparse.Namespace, demo_path: str) -> list[MatrixEntry
     return entries
 
 
-SUMMARY_TITLE = "butter / llama-server per model (tok/s: higher is better; TTFT: lower)"
+def summary_title(baseline: str) -> str:
+    return f"butter / {baseline} per model (tok/s: higher is better; TTFT: lower)"
 
 
 def summary_headers(levels: Sequence[int]) -> list[str]:
     return ["model", *(f"tok/s c={c}" for c in levels), f"TTFT p95 c={max(levels)}"]
 
 
+def summary_baselines(runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]]) -> list[str]:
+    """The baselines that ran beside butter in a matrix run, llama-server first."""
+    ran = {r.name for _, results in runs for r in results}
+    return [name for name in (LLAMA_SERVER, LCP) if name in ran and BUTTER in ran]
+
+
 def summary_rows(
-    runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
+    runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]],
+    levels: Sequence[int],
+    baseline: str = LLAMA_SERVER,
 ) -> list[list[str]]:
-    """Per model: butter's tok/s over llama-server's at each level, and the TTFT p95
+    """Per model: butter's tok/s over the baseline's at each level, and the TTFT p95
     ratio at the highest level."""
     rows: list[list[str]] = []
     for entry, results in runs:
         by_name = {r.name: r for r in results}
-        mine_res, base_res = by_name.get(BUTTER), by_name.get(LLAMA_SERVER)
+        mine_res, base_res = by_name.get(BUTTER), by_name.get(baseline)
         row = [entry.name]
         for level in levels:
             mine = level_of(mine_res, level) if mine_res else None
@@ -1138,27 +1147,33 @@ def print_summary(
     runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
 ) -> None:
     out = Console() if sys.stdout.isatty() else Console(width=150)
-    table = Table(title=SUMMARY_TITLE)
-    for header in summary_headers(levels):
-        table.add_column(header, justify="left" if header == "model" else "right")
-    for row in summary_rows(runs, levels):
-        table.add_row(*row)
-    out.print(table)
+    for baseline in summary_baselines(runs):
+        table = Table(title=summary_title(baseline))
+        for header in summary_headers(levels):
+            table.add_column(header, justify="left" if header == "model" else "right")
+        for row in summary_rows(runs, levels, baseline):
+            table.add_row(*row)
+        out.print(table)
 
 
 def summary_markdown(
     title: str, runs: Sequence[tuple[MatrixEntry, Sequence[ServerResult]]], levels: Sequence[int]
 ) -> str:
-    lines = [
-        f"## {title}",
-        "",
-        "One row per model of the sections above (same run): butter's `completion_tok_s` "
-        "over llama-server's at each concurrency level, and butter's TTFT p95 over "
-        f"llama-server's at c={max(levels)}. — where either server has no number.",
-        "",
-        md_table(summary_headers(levels), summary_rows(runs, levels)),
-    ]
-    return "\n".join(lines) + "\n"
+    """One ratio table per baseline that ran (llama-cpp-python's tok/s are its content
+    deltas: it sends no usage in streams)."""
+    lines: list[str] = []
+    for baseline in summary_baselines(runs):
+        lines += [
+            f"## {title}: {summary_title(baseline)}",
+            "",
+            "One row per model of the sections above (same run): butter's `completion_tok_s` "
+            f"over {baseline}'s at each concurrency level, and butter's TTFT p95 over "
+            f"{baseline}'s at c={max(levels)}. — where either server has no number.",
+            "",
+            md_table(summary_headers(levels), summary_rows(runs, levels, baseline)),
+            "",
+        ]
+    return "\n".join(lines)
 
 
 def write_matrix_json(
@@ -1168,6 +1183,7 @@ def write_matrix_json(
     levels: Sequence[int],
 ) -> None:
     """Raw numbers of a --matrix run: per model its config and serve-bench's records."""
+    pairs = [(e, r) for e, _, r in runs]
     doc = {
         "meta": meta,
         "models": [
@@ -1180,8 +1196,11 @@ def write_matrix_json(
             for entry, cfg, results in runs
         ],
         "summary": {
-            "headers": summary_headers(levels),
-            "rows": summary_rows([(e, r) for e, _, r in runs], levels),
+            baseline: {
+                "headers": summary_headers(levels),
+                "rows": summary_rows(pairs, levels, baseline),
+            }
+            for baseline in summary_baselines(pairs)
         },
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -1229,7 +1248,7 @@ def run_matrix(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> in
     pairs = [(e, r) for e, _, r in runs]
     print_summary(pairs, cfg.levels)
     if args.markdown:
-        summary = summary_markdown(f"{title}: {SUMMARY_TITLE}", pairs, cfg.levels)
+        summary = summary_markdown(title, pairs, cfg.levels)
         write_markdown(args.markdown, summary)
         console.log(f"summary appended to {args.markdown}")
     if args.json:
