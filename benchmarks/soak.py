@@ -3,9 +3,11 @@
 At a fixed concurrency: streams and non-streams on both APIs, a fifth of the streams
 dropped by their client after 0.05-0.5 s, and one request in twenty a bad body (4xx
 expected). At a steady rate besides: a client that sends a streaming request and never
-reads (4 KiB receive buffer; the server must close it, --write-timeout), and a model swap
+reads (4 KiB receive buffer; the server must close it, --write-timeout), a model swap
 between two names of the same file (requests in flight then end with 503 "model replaced",
-which is expected and counted apart).
+which is expected and counted apart), and a poller scraping what routers and UIs read
+(/v1/models, /v1/server, /metrics, /health, /ready; a round a second): any 5xx there
+fails the run, except /ready's 503 "swapping" while a swap is under way (its job).
 
 Samples the server's RSS, open file descriptors and threads every second. The baseline is
 taken after a warm-up (each kind of request once, a swap there and back) once the server
@@ -58,6 +60,8 @@ NON_READER_PROMPT = "Count from 1 to 3000, one number per line, and say nothing 
 # demo model) and then --write-timeout passes; on a loaded machine generating them takes
 # long. Past this (plus the write timeout) it counts as kept by the server.
 NON_READER_PATIENCE_SECONDS = 600.0
+POLLED_PATHS = ("/v1/models", "/v1/server", "/metrics", "/health", "/ready")
+POLL_EVERY_SECONDS = 1.0
 
 
 def start_server(model: str, extra: list[str],
@@ -134,6 +138,7 @@ class Soak:
         self.swap_failures: list[str] = []
         self.non_readers = {"sent": 0, "closed_by_server": 0, "still_open": 0}
         self.non_reader_close_s: list[float] = []
+        self.polled: dict[str, dict[str, int]] = {}  # path -> status (reason) -> count
 
     def body(self, anthropic: bool, stream: bool) -> dict[str, object]:
         content = f"soak {self.rng.randint(0, 10**6)}: " + "tell me more. " * self.rng.randint(
@@ -202,6 +207,20 @@ class Soak:
             self.swaps += 1
         else:
             self.swap_failures.append(f"{name}: {response.status_code} {response.text[:200]}")
+
+    async def poll(self, http: httpx.AsyncClient) -> None:
+        """What a router or a chat UI scrapes, once each."""
+        for path in POLLED_PATHS:
+            try:
+                response = await http.get(f"{self.base}{path}")
+            except httpx.HTTPError as exc:
+                self.errors.append(f"poll {path}: {type(exc).__name__}: {exc}")
+                continue
+            status = str(response.status_code)
+            if path == "/ready" and response.status_code != 200:
+                status += f" {response.json().get('reason')}"  # e.g. "503 swapping"
+            counts = self.polled.setdefault(path, {})
+            counts[status] = counts.get(status, 0) + 1
 
     async def non_reader(self, write_timeout: float, pid: int, nursery: trio.Nursery) -> None:
         nursery.start_soon(self._non_reader, write_timeout, pid)
@@ -298,7 +317,7 @@ def probe_client() -> httpx.AsyncClient:
 
 
 async def settled(http: httpx.AsyncClient, base: str, pid: int, limit: Sample | None,
-                  seconds: float) -> tuple[Sample, dict[str, int]]:
+                  seconds: float) -> tuple[Sample, dict[str, int] | None]:
     """The server's figures once it is idle: no work, and (given a baseline) FDs and threads
     back within their bounds; after `seconds` at most, whatever they are."""
     deadline = time.monotonic() + seconds
@@ -307,7 +326,9 @@ async def settled(http: httpx.AsyncClient, base: str, pid: int, limit: Sample | 
         engine = (await http.get(f"{base}/v1/server")).json()["engine"]
         await trio.sleep(0.5)  # the server sees that scrape's connection close
         sample = Sample.of(pid)
-        idle = not (engine["active"] or engine["queued"] or engine["reserved_cells"])
+        # (No engine between a swap's unload and load: not settled.)
+        idle = engine is not None and not (
+            engine["active"] or engine["queued"] or engine["reserved_cells"])
         back = limit is None or (sample.fds <= limit.fds + FD_BOUND
                                  and sample.threads <= limit.threads + THREAD_BOUND)
         if (idle and back) or time.monotonic() > deadline:
@@ -355,6 +376,7 @@ async def run(base: str, pid: int, seconds: float, concurrency: int, *, write_ti
             for _ in range(concurrency):
                 nursery.start_soon(soak.lane, http)
             nursery.start_soon(soak.every, swap_every, lambda: soak.swap(http))
+            nursery.start_soon(soak.every, POLL_EVERY_SECONDS, lambda: soak.poll(http))
             nursery.start_soon(soak.every, non_reader_every,
                                lambda: soak.non_reader(write_timeout, pid, nursery))
     async with probe_client() as probe:
@@ -368,6 +390,7 @@ async def run(base: str, pid: int, seconds: float, concurrency: int, *, write_ti
             "statuses": soak.statuses, "client_cancelled": soak.cancelled,
             "bad_bodies": soak.bad_bodies, "replaced_by_swap": soak.replaced,
             "swaps": soak.swaps, "swap_failures": soak.swap_failures,
+            "polled": soak.polled,
             "non_readers": soak.non_readers,
             "non_reader_close_s_max": max(soak.non_reader_close_s, default=None),
             "server_counters": counters(metrics),
@@ -411,8 +434,9 @@ def verdicts(report: dict[str, object]) -> list[tuple[str, object, object, objec
     base, top, end = (report[key] for key in ("baseline", "peak", "end"))
     assert isinstance(base, dict) and isinstance(top, dict) and isinstance(end, dict)
     engine = report["engine_after"]
-    assert isinstance(engine, dict)
-    work = f"{engine['active']} / {engine['queued']} / {engine['reserved_cells']}"
+    assert isinstance(engine, dict | None)
+    work = ("no model resident" if engine is None
+            else f"{engine['active']} / {engine['queued']} / {engine['reserved_cells']}")
     pool = float(report["kv_pool_mib"])  # type: ignore[arg-type]
     return [
         ("RSS (MiB)", base["rss_mib"], top["rss_mib"], end["rss_mib"],
@@ -440,6 +464,7 @@ def table(report: dict[str, object]) -> str:
         f"{report['swaps']} (503 model replaced: {report['replaced_by_swap']}), non-readers "
         f"{readers}, transport errors {report['transport_error_count']}, latency p95 "
         f"{report['latency_p95_s']}",
+        f"polled: {report['polled']}",
         f"server counters: {report['server_counters']}",
     ]
     return "\n".join(lines)
@@ -450,9 +475,17 @@ def failed(report: dict[str, object]) -> bool:
     bad: dict[int, int] = report["bad_bodies"]  # type: ignore[assignment]
     readers: dict[str, int] = report["non_readers"]  # type: ignore[assignment]
     server_errors = sum(n for status, n in {**statuses, **bad}.items() if int(status) >= 500)
-    return bool(server_errors or report["transport_error_count"] or report["swap_failures"]
+    return bool(server_errors or poll_errors(report) or report["transport_error_count"]
+                or report["swap_failures"]
                 or readers["still_open"]
                 or not all(ok for *_, ok in verdicts(report)))
+
+
+def poll_errors(report: dict[str, object]) -> int:
+    """5xx answers to the poller, but /ready's 503 while a swap is under way (by design)."""
+    polled: dict[str, dict[str, int]] = report["polled"]  # type: ignore[assignment]
+    return sum(n for counts in polled.values() for status, n in counts.items()
+               if int(status.split()[0]) >= 500 and status != "503 swapping")
 
 
 def main() -> int:

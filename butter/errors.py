@@ -96,6 +96,15 @@ class ModelReplaced(ButterError):
     code = "model_replaced"
 
 
+class NoModelLoaded(ButterError):
+    """No model is resident: a swap's load failed and so did reloading the old model."""
+
+    status = 503
+    openai_type = "server_error"
+    anthropic_type = "api_error"
+    code = "no_model"
+
+
 class Draining(ButterError):
     """The server is shutting down: it finishes the requests it has and takes no new ones.
 

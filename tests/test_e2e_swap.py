@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -141,6 +142,60 @@ def test_concurrent_requests_for_one_new_model_load_it_once(swap_server: ServerP
     trio.run(main)
     assert results == [new] * 4
     assert swaps(swap_server) == before + 1
+
+
+def test_what_routers_and_uis_poll_answers_during_a_swap(swap_server: ServerProcess) -> None:
+    """While a swap runs, /v1/server answers at once (swapping; the old model, or none
+    between its unload and the new one's load), and /v1/models and count_tokens wait for
+    the swap and then answer for the new model: never a 5xx."""
+    during: list[tuple[str, dict[str, Any]]] = []  # (the old model's id, /v1/server)
+    after: list[tuple[str, httpx.Response]] = []  # (the new model's id, response)
+
+    async def swap_and_watch(http: httpx.AsyncClient, old: str, new: str) -> None:
+        swapped, asked = trio.Event(), trio.Event()
+
+        async def swap() -> None:
+            response = await http.post(f"{swap_server.api}/chat/completions", json={
+                "model": new, "messages": MESSAGES, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            swapped.set()
+
+        async def ask_while_swapping() -> None:
+            after.append((new, await http.get(f"{swap_server.api}/models")))
+            after.append((new, await http.post(f"{swap_server.api}/messages/count_tokens",
+                                               json={"model": new, "messages": MESSAGES})))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(swap)
+            while not swapped.is_set():
+                info = await http.get(f"{swap_server.api}/server")
+                assert info.status_code == 200, info.text
+                if info.json()["swapping"]:
+                    if not asked.is_set():
+                        asked.set()
+                        nursery.start_soon(ask_while_swapping)
+                    during.append((old, info.json()))
+
+    async def main() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            for _ in range(6):  # a swap of the tiny model is short: bounded retries
+                old = resident_id(swap_server)
+                await swap_and_watch(http, old, "tiny-a" if old == "tiny-b" else "tiny-b")
+                if after:
+                    return
+
+    trio.run(main)
+    assert during, "no poll of /v1/server landed inside a swap"
+    for old, info in during:
+        if info["model"] is None:
+            assert info["engine"] is None
+        else:
+            assert info["model"]["id"] == old and info["engine"] is not None
+    (new, models), (_, counted) = after
+    assert models.status_code == 200, models.text
+    assert [card["id"] for card in models.json()["data"]] == [new]
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] > 0
 
 
 def test_memory_does_not_grow_across_alternating_swaps(swap_server: ServerProcess) -> None:

@@ -17,6 +17,7 @@ import trio
 import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
+from butter.errors import ModelLoadError, ModelNotFound, NoModelLoaded
 from butter.server.backends import ResidentServeBackend
 from butter.server.readiness import Readiness
 from tests.conftest import ServerProcess
@@ -133,6 +134,50 @@ async def test_a_swap_makes_the_replica_unready_until_the_new_model_runs() -> No
         assert readiness.state().reason == "swapping"
         release.set()
     assert (readiness.state().ready, readiness.state().model) == (True, "new")
+
+
+async def test_asking_for_whichever_model_during_a_swap_waits_for_the_new_one() -> None:
+    release = trio.Event()
+
+    async def load(model_id: str) -> FakeLoaded:
+        await release.wait()
+        return FakeLoaded(model_id)
+
+    backend = ResidentServeBackend(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    answers: list[str] = []
+
+    async def whichever() -> None:  # what GET /v1/models and count_tokens ask
+        answers.append((await backend.resident_for(None)).model_id)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(backend.resident_for, "new")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(whichever)
+        await trio.testing.wait_all_tasks_blocked()
+        assert answers == []  # neither the old model nor an error: it waits
+        release.set()
+    assert answers == ["new"]
+
+
+async def test_a_failed_swap_and_restore_leave_no_model_until_one_loads() -> None:
+    loadable = {"good"}
+
+    async def load(model_id: str) -> FakeLoaded:
+        if model_id not in loadable:
+            raise ModelLoadError(f"{model_id} is gone")
+        return FakeLoaded(model_id)
+
+    backend = ResidentServeBackend(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    readiness = Readiness(backend)
+    with pytest.raises(NoModelLoaded, match="'old' could not be reloaded"):
+        await backend.resident_for("bad")
+    assert readiness.state().reason == "no_model"
+    with pytest.raises(NoModelLoaded):
+        await backend.resident_for(None)
+    with pytest.raises(ModelNotFound, match="bad is gone"):
+        await backend.resident_for("bad")
+    assert (await backend.resident_for("good")).model_id == "good"
+    assert (readiness.state().ready, readiness.state().model) == (True, "good")
 
 
 # ---------------------------------------------------------------- a real server

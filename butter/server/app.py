@@ -184,15 +184,19 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
 
     @api("GET", "/models")
     async def list_models() -> Response:
-        return _json({"object": "list", "data": [_model_card(backend.current)]})
+        # During a swap this waits for it, in line with the requests (never starts one).
+        resident = await backend.resident_for(None)
+        return _json({"object": "list", "data": [_model_card(resident)]})
 
     @api("GET", "/server")
     async def server_info() -> Response:
-        resident = backend.current
+        # Answers at once, a swap or not: between its unload and load no model is resident.
+        resident = _resident_of(backend)
         return _json({
             "version": __version__,
-            "model": _model_card(resident),
-            "engine": attrs.asdict(resident.engine.stats()),
+            "model": _model_card(resident) if resident else None,
+            "engine": attrs.asdict(resident.engine.stats()) if resident else None,
+            "swapping": backend.swapping,
             "swaps": backend.swaps,
             "allow_swap": backend.allow_swap,
         })
@@ -255,7 +259,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         chat_request = anthropic.to_chat_request(
             anthropic.parse_count_tokens_request(await _json_body())
         )
-        resident = backend.current  # counting never swaps models
+        resident = await backend.resident_for(None)  # waits out a swap, never starts one
         _check_model(resident, chat_request.model)
         prepared = await prepare(resident, openai.generation_request(chat_request))
         return _json({"input_tokens": len(prepared.prompt)})

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import trio
 
-from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound
+from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound, NoModelLoaded
 from butter.models import InvalidModelId, check_gguf_file, resolve_model
 from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
@@ -44,7 +44,11 @@ class ServeBackend(Protocol):
         """A model swap is under way (readiness says 503 meanwhile)."""
         ...
 
-    async def resident_for(self, model: str | None) -> ResidentModel: ...
+    async def resident_for(self, model: str | None) -> ResidentModel:
+        """The model to serve `model` (None: whichever is resident) once any swap under
+        way has ended. Naming another model swaps to it where swapping is allowed, else
+        ModelNotFound; NoModelLoaded when none is resident."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -154,16 +158,43 @@ class ResidentServeBackend:
         if self._lock.locked():  # a swap is under way: wait for it, in order
             async with self._lock:
                 pass
-        current = self.current
+        if self._model is None and model and self.allow_swap:
+            return await self._load_after_failure(model)
+        current = self._settled()
         if not model or model in current.names:
             return current
         if not self.allow_swap:
             raise _not_served(model, current, " and swapping is disabled (--no-allow-swap)")
         self._check_loadable(model)
         async with self._lock:
-            if model in self.current.names:  # someone else's swap brought it in
-                return self.current
+            current = self._settled()
+            if model in current.names:  # someone else's swap brought it in
+                return current
             return await self._swap(model)
+
+    def _settled(self) -> ResidentModel:
+        """The resident model once no swap is under way; NoModelLoaded (503) where
+        `current` would raise RuntimeError (500): after a failed swap whose restore of the
+        old model failed too."""
+        if self._model is None:
+            raise NoModelLoaded("no model is loaded: a swap failed and the previous model "
+                                "could not be reloaded; name a model to load one")
+        return self._model.resident
+
+    async def _load_after_failure(self, model: str) -> ResidentModel:
+        """With no model resident (a failed swap and a failed restore), a request that
+        names a loadable model loads it: the server recovers without a restart."""
+        self._check_loadable(model)
+        async with self._lock:
+            if self._model is None:
+                try:
+                    self._model = await self._loader(model)
+                except ModelLoadError as exc:
+                    raise ModelNotFound(f"model {model!r} could not be loaded: {exc}",
+                                        param="model") from None
+                self.swaps += 1
+                log.info("loaded %r: a model is resident again", model)
+        return await self.resident_for(model)
 
     def _check_loadable(self, model: str) -> None:
         """What can be checked without touching the resident model."""
@@ -189,7 +220,13 @@ class ResidentServeBackend:
             self._model = await self._loader(model)
         except ModelLoadError as exc:
             log.warning("loading %r failed (%s): restoring %r", model, exc, old_id)
-            self._model = await self._loader(restore_id)
+            try:
+                self._model = await self._loader(restore_id)
+            except ModelLoadError as again:
+                log.error("restoring %r failed too (%s): no model is resident", old_id, again)
+                raise NoModelLoaded(f"model {model!r} could not be loaded ({exc}) and the "
+                                    f"previous model {old_id!r} could not be reloaded "
+                                    f"({again}); name a model to load one") from None
             raise ModelNotFound(f"model {model!r} could not be loaded: {exc}",
                                 param="model") from None
         self.swaps += 1
