@@ -36,11 +36,12 @@ Usage (from the repository root)::
 
 With ``--matrix`` (or ``--matrix-only NAME,...``) the same comparison runs for the
 demo GGUF and then for every model of ``benchmarks/model_matrix.py`` (random weights,
-real shapes, written on first use), one markdown section per model and a summary of
-the butter / llama-server ratios at the end. The chat-template flags follow what each
-file contains: without ``tokenizer.chat_template`` (the demo GGUF) the servers get the
-built-in gemma template as above; with one, butter and llama-cpp-python's server use
-the embedded template (no flag) and llama-server gets ``--jinja``::
+real shapes, written on first use), one markdown section per model and, at the end, a
+summary of butter's ratios per baseline that ran (llama-server, llama-cpp-python). The
+chat-template flags follow what each file contains: without ``tokenizer.chat_template``
+(the demo GGUF) the servers get the built-in gemma template as above; with one, butter
+and llama-cpp-python's server use the embedded template (no flag) and llama-server gets
+``--jinja``::
 
     python benchmarks/compare.py --matrix --markdown benchmarks/RESULTS.md
     python benchmarks/compare.py --matrix-only demo,qwen3-0.6b-shape-Q4_K_M --print-commands
