@@ -595,13 +595,27 @@ def bench_server(name: str, cfg: BenchConfig, args: argparse.Namespace) -> Serve
                 raise RuntimeError("warm-up request failed (see the serve-bench log)")
             for level in cfg.levels:
                 result.levels.append(measure_level(cfg, target, level, cfg.waves))
+            if name == BUTTER:
+                result.log_notes += butter_choices(base_url)
             result.ok = True
     except (OSError, RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
         console.log(f"[red]{name}: failed: {escape(result.error)}[/red]")
         console.log(escape(log_tail(log_path)))
-    result.log_notes = log_notes(log_path)
+    result.log_notes = log_notes(log_path) + result.log_notes
     return result
+
+
+def butter_choices(base_url: str) -> list[str]:
+    """What butter chose by measurement while it ran (its /v1/server): the step shape per
+    number of decode rows, and which output projection computes the logits. The c=1 cells
+    move with the one-row choice, so a round should say which one served."""
+    try:
+        meta = httpx.get(f"{base_url}/v1/server", timeout=10).json()["model"]["meta"]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return ["/v1/server: unreadable after the run"]
+    return [f"after the run: step shapes {meta.get('step_shapes')}, output projection "
+            f"{meta.get('lm_head')}"]
 
 
 # ------------------------------------------------------------------- reports

@@ -69,6 +69,19 @@ def test_tries_every_candidate_then_keeps_the_fastest() -> None:
     assert shaper.choose(6, decode_only=False) is Shape.PLAIN
 
 
+def test_trials_take_turns_so_a_slow_start_does_not_decide() -> None:
+    shaper = StepShaper(trials=3, revisit_every=50, head_choice=True)
+    cost = {Shape.PLAIN: 0.020, Shape.LLAMA_HEAD: 0.022}
+    chosen = []
+    for step in range(8):
+        shape = shaper.choose(1, decode_only=True)
+        cold = 0.030 if step < 2 else 0.0  # the first two steps after a load run slow
+        shaper.observe(1, shape, cost[shape] + cold)
+        chosen.append(shape)
+    assert chosen[:6] == [Shape.PLAIN, Shape.LLAMA_HEAD] * 3
+    assert shaper.best(1) is Shape.PLAIN
+
+
 def test_follows_a_change_in_costs() -> None:
     shaper = StepShaper(trials=2, revisit_every=10, window=3)
     _timed(shaper, 2, {Shape.PLAIN: 0.020, Shape.SPLIT: 0.030}, 20)

@@ -86,7 +86,10 @@ class StepShaper:
             return options[0]
         untried = [s for s in options if len(self._timings(outputs, s)) < self.trials]
         if untried:
-            return untried[0]
+            # In turns, not one candidate's trials after another's: the first steps after a
+            # load run slower (cold caches and pages), and back-to-back trials would put
+            # that cost on the first candidate alone.
+            return min(untried, key=lambda s: len(self._timings(outputs, s)))
         best = min(options, key=lambda s: statistics.median(self._timings(outputs, s)))
         # After `revisit_every` steps with the best, one fresh timing of each other one.
         since = self._since_revisit.get(outputs, 0)
