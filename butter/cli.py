@@ -203,8 +203,11 @@ async def serve_command(settings: ServeSettings) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.shutdown_on_signals)
             nursery.start_soon(_exit_if_shutdown_hangs, server)
+            # The model's lines are taken before the server listens: a request could swap
+            # the model before this task runs again.
+            model_lines = _model_lines(backend.current)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
-            _print_banner(backend.current, host, port, server.routes())
+            _print_banner(model_lines, host, port, server.routes())
         log.info("butter stopped")
     finally:
         with trio.CancelScope(shield=True):
@@ -230,11 +233,10 @@ async def _exit_if_shutdown_hangs(server: ServeServer) -> None:
     os._exit(0)
 
 
-def _print_banner(resident: ResidentModel, host: str, port: int, routes: list[str]) -> None:
+def _model_lines(resident: ResidentModel) -> list[str]:
     meta = resident.metadata()
     kv = meta["kv"]
-    base = f"http://{host}:{port}"
-    lines = [
+    return [
         f"butter: serving {resident.model_id!r} ({meta['description']})",
         f"  chat template: {meta['chat_template']}",
         f"  context: {resident.max_context} per request, {meta['kv_cells']} KV cells shared by "
@@ -243,7 +245,13 @@ def _print_banner(resident: ResidentModel, host: str, port: int, routes: list[st
         f"{kv['pool_mib']} MiB pool"
         + (f", window {kv['window_size']} keep {kv['window_keep']}" if kv["window_size"]
            else ""),
-        f"  base URL for OpenAI clients: {base}/v1",
+    ]
+
+
+def _print_banner(model_lines: list[str], host: str, port: int, routes: list[str]) -> None:
+    lines = [
+        *model_lines,
+        f"  base URL for OpenAI clients: http://{host}:{port}/v1",
         *(f"  {route}" for route in routes),
     ]
     print("\n".join(lines), flush=True)
