@@ -118,7 +118,8 @@ class FakeLoaded:
         self.resident.engine.running = False
 
 
-async def test_a_swap_makes_the_replica_unready_until_the_new_model_runs() -> None:
+def _backend_whose_loads_wait() -> tuple[ResidentServeBackend, trio.Event]:
+    """A backend serving "old" whose loads finish once the event is set."""
     release = trio.Event()
 
     async def load(model_id: str) -> FakeLoaded:
@@ -126,6 +127,11 @@ async def test_a_swap_makes_the_replica_unready_until_the_new_model_runs() -> No
         return FakeLoaded(model_id)
 
     backend = ResidentServeBackend(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    return backend, release
+
+
+async def test_a_swap_makes_the_replica_unready_until_the_new_model_runs() -> None:
+    backend, release = _backend_whose_loads_wait()
     readiness = Readiness(backend)
     assert readiness.state().ready
     async with trio.open_nursery() as nursery:
@@ -137,13 +143,7 @@ async def test_a_swap_makes_the_replica_unready_until_the_new_model_runs() -> No
 
 
 async def test_asking_for_whichever_model_during_a_swap_waits_for_the_new_one() -> None:
-    release = trio.Event()
-
-    async def load(model_id: str) -> FakeLoaded:
-        await release.wait()
-        return FakeLoaded(model_id)
-
-    backend = ResidentServeBackend(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    backend, release = _backend_whose_loads_wait()
     answers: list[str] = []
 
     async def whichever() -> None:  # what GET /v1/models and count_tokens ask
