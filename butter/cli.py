@@ -192,8 +192,9 @@ async def serve_command(settings: ServeSettings) -> None:
         loader=load, initial=model, initial_model_id=settings.model,
         allow_swap=settings.allow_swap, precheck=gguf_precheck(settings.models_dir),
     )
-    del model  # the backend owns it now: this frame lives as long as the server, and a
-    # reference here kept the boot model's buffers (its packed projection) after a swap
+    # The backend owns it now. This frame lives as long as the server: a reference here
+    # kept the boot model's buffers (its packed projection) alive after every swap.
+    del model
     server = ServeServer(
         host=settings.host, port=settings.port, backend=backend,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,

@@ -33,6 +33,7 @@ def test_candidates_keep_single_rows_and_small_batches_exact() -> None:
     assert candidates(8, decode_only=True) == (Shape.PLAIN,)
     assert candidates(13, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
     assert candidates(6, decode_only=False) == (Shape.PLAIN,)  # prompt logits stay exact
+    assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
 
 
 def test_llama_cpps_projection_is_a_candidate_only_where_offered() -> None:
@@ -45,7 +46,6 @@ def test_llama_cpps_projection_is_a_candidate_only_where_offered() -> None:
         shaper.observe(1, Shape.LLAMA_HEAD, 0.031)
     assert shaper.choose(1, decode_only=True) is Shape.LLAMA_HEAD
     assert shaper.verdicts() == {1: "llama-head"}
-    assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
 
 
 def _timed(shaper: StepShaper, outputs: int, cost: dict[Shape, float], steps: int
