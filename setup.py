@@ -1,7 +1,8 @@
-"""The one compiled part of butter: the output-projection kernel (butter/native/lmhead.c).
+"""butter's compiled parts: the output-projection kernel (butter/native/lmhead.c) and the
+Q8_0 layer matmuls it plugs into llama.cpp (butter/native/layer_matmul.cpp).
 
-Everything else is in pyproject.toml. The extension is optional: where it cannot be
-built, butter installs without it and llama.cpp computes the logits itself.
+Everything else is in pyproject.toml. Both extensions are optional: where one cannot be
+built, butter installs without it and llama.cpp computes that part itself.
 """
 
 import sys
@@ -16,9 +17,18 @@ setup(
         Extension(
             "butter.backends._lmhead",
             sources=["butter/native/lmhead.c"],
+            depends=["butter/native/q8_0_tiles.h"],
             extra_compile_args=["-O3", *openmp],
             extra_link_args=openmp,
             optional=True,
-        )
+        ),
+        Extension(
+            "butter.backends._layer_matmul",
+            sources=["butter/native/layer_matmul.cpp"],
+            depends=["butter/native/q8_0_tiles.h"],
+            extra_compile_args=["-O3", "-std=c++17"],
+            language="c++",
+            optional=True,
+        ),
     ]
 )

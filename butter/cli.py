@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "allow (output matrices other than Q8_0 are requantized to Q8_0 "
                             "at load), checked against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
+    serve.add_argument("--fast-layers", action=argparse.BooleanOptionalAction, default=True,
+                       help="llama.cpp: butter multiplies the layers' Q8_0 matrices with its "
+                            "AVX512-VNNI kernel inside llama.cpp's CPU backend where the CPU "
+                            "and the build allow (llama.cpp's x86 code has no interleaved "
+                            "Q8_0 kernel); needs weight repacking on (not --deterministic); "
+                            "/v1/server says which one runs (default: on)")
     serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                        help="llama.cpp: turn weight repacking off, so a prompt's KV cache and "
                             "logits are bit-identical whether prefilled cold or reused from "
@@ -152,6 +158,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         decode_stall=max(0.0, args.decode_stall), threads=args.threads,
         step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
+        fast_layers=args.fast_layers,
         deterministic=args.deterministic,
         shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,

@@ -19,6 +19,15 @@ from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 # mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    """llama.cpp's process-wide setup before any test loads a model: butter's layer matmuls
+    register there, and a model loaded earlier by llama-cpp-python alone would leave them
+    unavailable for the rest of the session, so whether they run would hang on test order."""
+    from butter.backends.llama_cpp.loading import init_llama_backend
+
+    init_llama_backend()
+
 BANNER_URL = re.compile(r"base URL for OpenAI clients: (http://\S+)/v1")
 BOOT_TIMEOUT_S = 120.0
 

@@ -3,6 +3,7 @@ clients call without /v1, developer messages and both reasoning names."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -245,9 +246,11 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, demo_gguf: 
     """lm-evaluation-harness's loglikelihood request: echo, logprobs, max_tokens 0. The
     prompt tokens' logprobs agree with llama-cpp-python's own evaluation of the same
     tokens, on the kernels the server's context uses (weight repacking on, the server's
-    default as llama.cpp's; flash attention: other kernels differ by tenths of a nat on
-    this model)."""
+    default as llama.cpp's; butter's Q8_0 layer matmuls where they apply; flash attention:
+    other kernels differ by tenths of a nat on this model)."""
     import llama_cpp
+
+    from butter.backends.llama_cpp import layer_matmul
 
     prompt = "The quick brown fox jumps over the lazy dog because it was late."
     result = client.completions.create(model="gemma-3-270m", prompt=prompt, max_tokens=0,
@@ -261,8 +264,13 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, demo_gguf: 
     assert len(scored.token_logprobs) == result.usage.prompt_tokens
     assert "".join(scored.tokens or []) == prompt
 
-    reference = llama_cpp.Llama(str(demo_gguf), n_ctx=256, logits_all=True, verbose=False,
-                                n_threads=2, swa_full=True, flash_attn=True)
+    try:  # (registered at the session's start: tests/conftest.py)
+        layers: contextlib.AbstractContextManager[None] = layer_matmul.registered().accepting(True)
+    except layer_matmul.Unavailable:
+        layers = contextlib.nullcontext()
+    with layers:
+        reference = llama_cpp.Llama(str(demo_gguf), n_ctx=256, logits_all=True, verbose=False,
+                                    n_threads=2, swa_full=True, flash_attn=True)
     try:
         tokens = reference.tokenize(prompt.encode(), add_bos=True, special=True)
         assert len(tokens) == len(scored.token_logprobs)

@@ -198,16 +198,18 @@ def test_decode_rows_beside_a_long_prompt_chunk_go_first_on_their_own(
 
 
 @pytest.mark.parametrize("repack", [True, False], ids=["repacked", "deterministic"])
-def test_llama_head_rows_are_llama_cpps_own_logits(tiny_gguf: Path, repack: bool) -> None:
+def test_llama_head_rows_are_llama_cpps_own_logits(tiny_q4_k_m_gguf: Path, repack: bool
+                                                   ) -> None:
     def load(fast: bool) -> LlamaCppBackend:
-        return LlamaCppBackend(tiny_gguf, n_cells=2048, n_seq=8, n_batch=256, threads=2,
-                               fast_lm_head=fast, repack=repack)
+        return LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=2048, n_seq=8, n_batch=256,
+                               threads=2, fast_lm_head=fast, repack=repack)
 
     ours, theirs = load(True), load(False)
     try:
         if not ours.lm_head.startswith("butter"):
             pytest.skip(f"butter's output projection does not apply here: {ours.lm_head}")
-        # Offered only where both projections exist and exactness was not asked for.
+        # Offered only where both projections exist, exactness was not asked for, and
+        # butter's serves a requantized matrix (this file's output is Q6_K).
         assert ours.shaper.head_choice is repack and theirs.shaper.head_choice is False
         logits = []
         for backend in (ours, theirs):
@@ -219,6 +221,19 @@ def test_llama_head_rows_are_llama_cpps_own_logits(tiny_gguf: Path, repack: bool
     finally:
         ours.close()
         theirs.close()
+
+
+def test_a_q8_0_head_is_not_raced_against_llama_cpps(tiny_gguf: Path) -> None:
+    backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2,
+                              repack=True)
+    try:
+        head = backend.model.lm_head
+        if head is None:
+            pytest.skip(f"butter's output projection does not apply here: {backend.lm_head}")
+        assert head.exact  # the file's own Q8_0 matrix: both projections read the same bytes
+        assert backend.shaper.head_choice is False  # so same seed, same tokens, every run
+    finally:
+        backend.close()
 
 
 # ------------------------------------------------------------------ served

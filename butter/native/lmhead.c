@@ -48,12 +48,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define BUTTER_X86 1
-#include <immintrin.h>
-#define VNNI_TARGET __attribute__((target("avx512f,avx512vnni,f16c")))
-#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
-#endif
+#include "q8_0_tiles.h" /* the tile layout, the activation quantizer, the VNNI kernel */
 
 /* Bump with any change to an exported signature, status code, ISA number or the order of
  * butter_lmhead_counters. */
@@ -71,11 +66,6 @@
 #define ISA_AVX2 1
 #define ISA_AVX512_VNNI 2
 
-#define QK 32          /* elements per Q8_0 block */
-#define LANES 16       /* vocabulary rows per tile: one 512-bit register of int32 */
-#define GROUPS 8       /* groups of 4 bytes per block (one VNNI step each) */
-#define ROWS_PER_PASS 8 /* hidden-state rows sharing one pass over the weights */
-#define Q8_0_BLOCK_BYTES 34 /* fp16 scale + 32 int8 */
 #define COUNTERS 4          /* butter_lmhead_counters: armed, rows_done, calls, declined */
 
 /* Bounds on the dimensions, so that every buffer size below fits in 64 bits with room. */
@@ -276,27 +266,7 @@ int32_t butter_lmhead_pack(butter_lmhead *s, const uint8_t *rows, size_t rows_by
         !holds(wsum_bytes, padded_blocks, sizeof(int16_t))) {
         return BUTTER_E_SHORT;
     }
-    memset(wq, 0, (size_t)(padded_blocks * QK));
-    memset(wd, 0, (size_t)padded_blocks * sizeof(uint16_t));
-    memset(wsum, 0, (size_t)padded_blocks * sizeof(int16_t));
-    for (int64_t v = 0; v < n_vocab; v++) {
-        const int64_t t = v / LANES, lane = v % LANES;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *block = rows + (v * nb + b) * Q8_0_BLOCK_BYTES;
-            const int8_t *q = (const int8_t *)(block + 2);
-            const int64_t tb = t * nb + b;
-            int sum = 0;
-            for (int g = 0; g < GROUPS; g++) {
-                int8_t *dst = wq + ((tb * GROUPS + g) * LANES + lane) * 4;
-                for (int j = 0; j < 4; j++) {
-                    dst[j] = q[g * 4 + j];
-                    sum += q[g * 4 + j];
-                }
-            }
-            memcpy(&wd[tb * LANES + lane], block, sizeof(uint16_t));
-            wsum[tb * LANES + lane] = (int16_t)sum;
-        }
-    }
+    q8_tiles_pack(rows, n_vocab, nb, wq, wd, wsum);
     s->wq = wq;
     s->wd = wd;
     s->wsum = wsum;
@@ -380,64 +350,11 @@ int32_t butter_sample_rows(int32_t n, void *const *chains, size_t chains_bytes,
 
 #ifdef BUTTER_X86
 
-/* ggml's x86 quantize_row_q8_0. For VNNI `offset` is 128, so the bytes are unsigned (it
- * multiplies unsigned by signed bytes; the weights' block sums take the 128 back out);
- * for AVX2 it is 0 and the bytes are the signed values. */
+/* ggml's x86 quantize_row_q8_0 for `rows` rows (offset: see q8_quantize_row). */
 AVX2_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_embd, int offset,
                                       uint8_t *xq, float *xd) {
-    const int64_t nb = n_embd / QK;
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t b = 0; b < nb; b++) {
-            const float *v = x + r * n_embd + b * QK;
-            float amax = 0.0f;
-            for (int j = 0; j < QK; j++) {
-                amax = fmaxf(amax, fabsf(v[j]));
-            }
-            const float d = amax / 127.f;
-            const float id = amax != 0.0f ? 127.f / amax : 0.0f;
-            xd[r * nb + b] = _cvtsh_ss(_cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT));
-            uint8_t *q = xq + r * n_embd + b * QK;
-            for (int j = 0; j < QK; j++) {
-                q[j] = (uint8_t)((int)nearbyintf(v[j] * id) + offset);
-            }
-        }
-    }
-}
-
-/* Logits of R rows for the 16 vocabulary rows of tile t. */
-VNNI_TARGET static inline __attribute__((always_inline)) void
-tile_rows(const butter_lmhead *s, int64_t t, const int R, const uint8_t *xq, const float *xd,
-          float *out, int64_t stride) {
-    const int64_t nb = s->n_embd / QK;
-    __m512 acc[ROWS_PER_PASS];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm512_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t tb = t * nb + b;
-        const int8_t *w = s->wq + tb * QK * LANES;
-        __m512i dot[ROWS_PER_PASS];
-        for (int r = 0; r < R; r++) {
-            dot[r] = _mm512_setzero_si512();
-        }
-        for (int g = 0; g < GROUPS; g++) {
-            const __m512i weights = _mm512_loadu_si512((const void *)(w + g * LANES * 4));
-            for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * s->n_embd + b * QK + g * 4, sizeof four);
-                dot[r] = _mm512_dpbusd_epi32(dot[r], _mm512_set1_epi32(four), weights);
-            }
-        }
-        const __m512i offset = _mm512_slli_epi32(
-            _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)(s->wsum + tb * LANES))), 7);
-        const __m512 wscale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s->wd + tb * LANES)));
-        for (int r = 0; r < R; r++) {
-            const __m512 scale = _mm512_mul_ps(wscale, _mm512_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)), scale, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm512_storeu_ps(out + r * stride + t * LANES, acc[r]);
+        q8_quantize_row(x + r * n_embd, n_embd, offset, xq + r * n_embd, xd + r * (n_embd / QK));
     }
 }
 
@@ -446,16 +363,8 @@ VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_
     const int64_t stride = s->n_tiles * LANES;
     #pragma omp parallel for schedule(static) num_threads(s->n_threads)
     for (int64_t t = 0; t < s->n_tiles; t++) {
-        switch (R) { /* constant R per case, so each loop is unrolled for its row count */
-        case 1: tile_rows(s, t, 1, xq, xd, out, stride); break;
-        case 2: tile_rows(s, t, 2, xq, xd, out, stride); break;
-        case 3: tile_rows(s, t, 3, xq, xd, out, stride); break;
-        case 4: tile_rows(s, t, 4, xq, xd, out, stride); break;
-        case 5: tile_rows(s, t, 5, xq, xd, out, stride); break;
-        case 6: tile_rows(s, t, 6, xq, xd, out, stride); break;
-        case 7: tile_rows(s, t, 7, xq, xd, out, stride); break;
-        default: tile_rows(s, t, 8, xq, xd, out, stride); break;
-        }
+        q8_tile_pass(s->wq, s->wd, s->wsum, s->n_embd / QK, t, R, xq, xd, out + t * LANES,
+                     stride, LANES);
     }
 }
 

@@ -54,7 +54,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         path, n_cells=size_pool, n_seq=settings.parallel,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
         kv_type=kv_type, step_shaping=settings.step_shaping, fast_lm_head=settings.fast_lm_head,
-        repack=not settings.deterministic,
+        repack=not settings.deterministic, fast_layers=settings.fast_layers,
     )
 
 

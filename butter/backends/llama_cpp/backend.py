@@ -38,17 +38,19 @@ class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
-        fast_lm_head: bool = True, repack: bool = False,
+        fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
 
         `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
         that applies; `lm_head` then says which one does, and why. `repack`: let llama.cpp
         repack weights for its interleaved kernels (faster one-row decode of some K-quants,
-        but a row's result then depends on its place in the batch: docs/architecture.md)."""
+        but a row's result then depends on its place in the batch: docs/architecture.md).
+        `fast_layers`: let butter multiply the layers' Q8_0 matrices inside llama.cpp
+        (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
         self.model = LlamaModel(
             path, n_cells=n_cells, n_seq=n_seq, n_batch=n_batch, threads=threads,
-            kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack,
+            kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack, fast_layers=fast_layers,
         )
         self.info = self.model.info
         self.kv_type = self.model.kv_type
@@ -72,8 +74,13 @@ class LlamaCppBackend:
                 self.close()
                 raise
         # Time llama.cpp's own projection against butter's, per number of rows, where both
-        # exist and exactness was not asked for (they round differently).
-        self.shaper.head_choice = self.model.lm_head is not None and repack
+        # exist, exactness was not asked for (they round differently), and butter's serves a
+        # requantized matrix (more bytes than the file's). On a Q8_0 output matrix both read
+        # the same bytes and butter's kernel is the faster (docs/architecture.md): trying
+        # llama.cpp's there only costs time, and changes the last bits of some steps' logits,
+        # so that the same seeded request could sample differently from one run to the next.
+        head = self.model.lm_head
+        self.shaper.head_choice = head is not None and repack and not head.exact
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -97,6 +104,8 @@ class LlamaCppBackend:
             "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
             "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
             "weight_repacking": self.model.repack,  # off with --deterministic
+            # who multiplies the layers' Q8_0 matrices: "butter (...)" or "llama.cpp (why)"
+            "layer_matmuls": self.model.layers_by,
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
         }

@@ -20,6 +20,7 @@ import llama_cpp as ll
 import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
+from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Unavailable, Verdict
 from butter.backends.shaping import padded_outputs
 from butter.errors import ModelLoadError
@@ -67,6 +68,7 @@ def init_llama_backend() -> None:
 
         _log_callback = ll.llama_log_callback(_quiet)
         ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        layer_matmul.register()  # before any model load lists llama.cpp's buffer types
         _backend_initialised = True
 
 
@@ -77,12 +79,14 @@ class LlamaModel:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None, fast_lm_head: bool, repack: bool = False,
+        fast_layers: bool = True,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading)."""
         init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
-        self.model: Any = _load_model(path, repack=repack)
+        self.model: Any
+        self.model, self.layers_by = _load_model(path, repack=repack, fast_layers=fast_layers)
         self.repack = repack
         self.ctx: Any = None
         self.batch: Any = None
@@ -300,9 +304,32 @@ def relative_rms_error(ours: Any, theirs: Any) -> float:
     return float(np.sqrt(np.mean(np.square(diff)))) / max(scale, 1e-12)
 
 
-def _load_model(path: Path, *, repack: bool) -> Any:
+def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str]:
+    """llama.cpp's model, and who computes its Q8_0 layer matmuls: "butter (N matrices)",
+    or "llama.cpp (why)" (layer_matmul.py)."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = repack  # weight repacking: see MIN_PROMPT_ROWS
+    try:
+        kernel: layer_matmul.LayerMatmul | None = layer_matmul.registered()
+        why_not = ""
+    except layer_matmul.Unavailable as exc:
+        kernel, why_not = None, str(exc)
+    if not fast_layers:
+        why_not = "--no-fast-layers"
+    elif not repack:
+        why_not = "--deterministic turns llama.cpp's extra buffer types off"
+    if kernel is None or why_not:
+        return _load_llama_model(path, params), f"llama.cpp ({why_not})"
+    before = kernel.counters().matrices
+    with kernel.accepting(True):
+        model = _load_llama_model(path, params)
+    stored = kernel.counters().matrices - before
+    if stored == 0:
+        return model, "llama.cpp (no plain Q8_0 layer matrices)"
+    return model, f"butter (AVX512-VNNI; {stored} Q8_0 matrices)"
+
+
+def _load_llama_model(path: Path, params: Any) -> Any:
     model = ll.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise ModelLoadError(

@@ -1,0 +1,225 @@
+"""butter's Q8_0 layer matmuls inside llama.cpp (the kernel is butter/native/layer_matmul.cpp).
+
+With several sequences decoding at once, every layer matrix is multiplied by 2-8 rows per
+step, and for Q8_0 matrices llama.cpp's x86 code has only its generic path for that, far
+below what the cores can do. The native library adds a buffer type to llama.cpp's CPU
+backend, the way llama.cpp's own repacked kernels plug in: at load, plain 2-D Q8_0 weights
+are stored there in butter's tile layout, and their matmuls then run butter's AVX512-VNNI
+kernel on llama.cpp's own threads. Any other weight, type or op stays with llama.cpp.
+
+It applies where: the extension is built, the CPU has AVX512-VNNI, llama.cpp runs on the
+CPU, its extra buffer types are on (they are off with `--deterministic`), and the ggml
+structures the library mirrors match the running ggml (checked here before anything is
+registered). Registration is once per process and must come before llama.cpp first lists
+its buffer types, at its first model load; `register` runs from `init_llama_backend`.
+Whether a given load may use it is chosen per load (`accepting`), and the result is read
+back: the matrices stored there, from the library's counters.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import llama_cpp
+
+log = logging.getLogger(__name__)
+
+_P = ctypes.c_void_p
+_I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+
+# What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
+ABI_VERSION = 1
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
+    "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
+    "butter_layer_matmul_supported": (_I32, []),
+    "butter_layer_matmul_register": (_I32, [_P, _P, _P, _P, _P, _P, _P]),
+    "butter_layer_matmul_buffer_type": (_P, []),
+    "butter_layer_matmul_accept": (_I32, [_I32]),
+    "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
+}
+OK, DECLINED = 0, 1
+COUNTERS = 4  # matrices stored, their bytes, matmuls run, their activation rows
+# ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
+GGML_OBJECT_BYTES = 32
+# The C++ function that hands out the CPU backend's extra buffer types (mangled name of
+# `std::vector<ggml_backend_buffer_type_t> & ggml_backend_cpu_get_extra_buffer_types()`).
+EXTRA_BUFFER_TYPES_SYMBOL = "_Z39ggml_backend_cpu_get_extra_buffer_typesv"
+
+
+class Unavailable(Exception):
+    """Why butter's layer matmuls do not apply (llama.cpp's are used)."""
+
+
+@attrs.frozen
+class Counters:
+    matrices: int
+    packed_bytes: int
+    matmuls: int
+    rows: int
+
+
+class LayerMatmul:
+    """The registered library: choose per load whether Q8_0 weights may go there, and read
+    what it has done."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self._loading = threading.Lock()  # `accepting` is process-wide in the library
+
+    def counters(self) -> Counters:
+        out = (ctypes.c_int64 * COUNTERS)()
+        if self._lib.butter_layer_matmul_counters(out, ctypes.sizeof(out)) != OK:
+            raise RuntimeError("butter_layer_matmul_counters refused its buffer")
+        return Counters(*(int(value) for value in out))
+
+    @contextmanager
+    def accepting(self, accept: bool) -> Iterator[None]:
+        """While loading a model: whether its Q8_0 weights may be stored in butter's layout."""
+        with self._loading:
+            self._lib.butter_layer_matmul_accept(int(accept))
+            try:
+                yield
+            finally:
+                self._lib.butter_layer_matmul_accept(0)
+
+
+_registering = threading.Lock()
+_registered: LayerMatmul | None = None
+_why_not: str | None = None
+
+
+def register() -> None:
+    """Add butter's buffer type to llama.cpp's CPU backend, once per process, where it
+    applies (see the module docstring); else remember why not. Call before any model load."""
+    global _registered, _why_not
+    with _registering:
+        if _registered is not None or _why_not is not None:
+            return
+        try:
+            _registered = _register()
+        except Unavailable as exc:
+            _why_not = str(exc)
+        except Exception as exc:  # a library that will not load: serve without it
+            log.warning("butter's layer matmuls failed to register: %r", exc)
+            _why_not = f"failed to register: {exc!r}"
+
+
+def registered() -> LayerMatmul:
+    """The registered library, or Unavailable with the reason it is not."""
+    if _registered is None:
+        raise Unavailable(_why_not or "not registered (init_llama_backend was not called)")
+    return _registered
+
+
+def _library() -> Any:
+    try:
+        from butter.backends import _layer_matmul  # type: ignore[attr-defined]
+    except ImportError:
+        raise Unavailable("the native extension is not built") from None
+    lib = ctypes.CDLL(_layer_matmul.__file__)
+    version = lib.butter_layer_matmul_abi_version
+    version.argtypes, version.restype = [], _I32
+    if int(version()) != ABI_VERSION:
+        raise Unavailable(f"the native extension has ABI version {int(version())}, expected "
+                          f"{ABI_VERSION}: rebuild it")
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib
+
+
+def _ggml_libraries() -> tuple[Any, Any]:
+    """libggml-base and libggml-cpu as llama.cpp loaded them. The wheel ships each library
+    under three names as separate files, and opening another of them would load a second
+    copy with its own state: so only an already-loaded library, found by its soname."""
+    loaded = []
+    for soname in ("libggml-base.so.0", "libggml-cpu.so.0"):
+        try:
+            loaded.append(ctypes.CDLL(soname, mode=os.RTLD_NOLOAD))
+        except OSError:
+            raise Unavailable(f"llama.cpp's CPU backend is not loaded as {soname}") from None
+    return loaded[0], loaded[1]
+
+
+def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
+    """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
+    mirror = (ctypes.c_int64 * 4)()
+    lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
+    tensor_bytes, f32, q8_0, mul_mat = (int(v) for v in mirror)
+    base.ggml_tensor_overhead.restype = _SIZE
+    base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
+    base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
+    cpu.ggml_backend_cpu_buffer_type.restype = _P
+    found = {
+        "tensor size": int(base.ggml_tensor_overhead()) - GGML_OBJECT_BYTES,
+        "type F32": base.ggml_type_name(f32),
+        "type Q8_0": base.ggml_type_name(q8_0),
+        "op MUL_MAT": base.ggml_op_name(mul_mat),
+        "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
+            cpu.ggml_backend_cpu_buffer_type()),
+    }
+    expected = {
+        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
+        "op MUL_MAT": b"MUL_MAT", "CPU buffer type": b"CPU",
+    }
+    wrong = [name for name in expected if found[name] != expected[name]]
+    if wrong:
+        raise Unavailable(f"this ggml differs from the one the kernel mirrors ({', '.join(wrong)})")
+
+
+def _cpu_device(base: Any, cpu: Any) -> int:
+    cpu.ggml_backend_cpu_reg.restype = _P
+    base.ggml_backend_reg_dev_get.argtypes, base.ggml_backend_reg_dev_get.restype = [_P, _SIZE], _P
+    device = base.ggml_backend_reg_dev_get(cpu.ggml_backend_cpu_reg(), 0)
+    if not device:
+        raise Unavailable("llama.cpp has no CPU device")
+    return int(device)
+
+
+def _listed_extra_buffer_types(base: Any, cpu: Any, device: int) -> list[int]:
+    """The extra buffer types llama.cpp offers weights to at load (a list it makes once)."""
+    get_proc = base.ggml_backend_reg_get_proc_address
+    get_proc.argtypes, get_proc.restype = [_P, ctypes.c_char_p], _P
+    address = get_proc(cpu.ggml_backend_cpu_reg(), b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return []
+    listing = ctypes.CFUNCTYPE(ctypes.POINTER(_P), _P)(address)(device)
+    found: list[int] = []
+    while listing and listing[len(found)]:
+        found.append(int(listing[len(found)]))
+    return found
+
+
+def _register() -> LayerMatmul:
+    if llama_cpp.llama_supports_gpu_offload():
+        raise Unavailable("a GPU build of llama.cpp")
+    lib = _library()
+    if not lib.butter_layer_matmul_supported():
+        raise Unavailable("this CPU has no AVX512-VNNI")
+    base, cpu = _ggml_libraries()
+    _check_mirror(lib, base, cpu)
+    device = _cpu_device(base, cpu)
+    functions = [
+        ctypes.cast(getattr(cpu, EXTRA_BUFFER_TYPES_SYMBOL), _P),
+        ctypes.cast(cpu.ggml_backend_cpu_buffer_type, _P),
+        ctypes.cast(base.ggml_backend_buft_alloc_buffer, _P),
+        ctypes.cast(base.ggml_backend_buft_is_host, _P),
+        ctypes.cast(cpu.ggml_barrier, _P),
+        ctypes.cast(base.ggml_nbytes, _P),
+    ]
+    status = lib.butter_layer_matmul_register(*functions, device)
+    if status == DECLINED:
+        raise Unavailable("this CPU has no AVX512-VNNI")
+    if status != OK:
+        raise Unavailable(f"registration failed (status {status})")
+    if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):
+        raise Unavailable("llama.cpp listed its buffer types before butter registered")
+    return LayerMatmul(lib)

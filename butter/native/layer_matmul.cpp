@@ -1,0 +1,533 @@
+/*
+ * butter's Q8_0 layer matmuls, plugged into llama.cpp's CPU backend on x86 CPUs with
+ * AVX512-VNNI.
+ *
+ * Why: with several sequences decoding at once, a step multiplies every layer matrix by 2-8
+ * activation rows. For Q8_0 matrices llama.cpp's x86 CPU code has no interleaved
+ * ("repacked") kernel, and its generic path (tinyBLAS) runs those small products far below
+ * what the cores can do: on Qwen3-0.6B's shape the layer matmuls are ~2/3 of an 8-row step.
+ * The tile layout that made butter's output projection 4x faster at 8 rows
+ * (q8_0_tiles.h) serves any Q8_0 matrix.
+ *
+ * How: the way llama.cpp's own repacked kernels plug in. The CPU backend keeps a list of
+ * "extra" buffer types; when it loads a model, it offers each weight to them in order, and
+ * the first whose `supports_op` accepts the weight's op gets to store it, in its own
+ * layout (`set_tensor`). When the graph runs, the CPU backend asks the extra buffer types
+ * first for every node, and a matmul whose weight lives here runs here, on the CPU
+ * backend's own threads, with its own work buffer and barrier. So this file adds a buffer
+ * type to that list, before the first model is loaded, and accepts exactly one thing: a
+ * plain 2-D Q8_0 weight multiplied by f32 activations. Everything else (other types, other
+ * ops, anything llama.cpp's repacking takes first) stays with llama.cpp.
+ *
+ * Same numbers as llama.cpp: see q8_0_tiles.h (exact integer block dot products, the same
+ * activation quantization, float sums over blocks in another order). A row's result never
+ * depends on the other rows of the batch.
+ *
+ * The boundary (ctypes and C++ ABI, which check nothing themselves):
+ * - No ggml header is needed to build this file: the few ggml structures it touches are
+ *   mirrored below from the ggml that llama-cpp-python 0.3.36 vendors. Python
+ *   (butter/backends/llama_cpp/layer_matmul.py) checks the mirror against the running
+ *   library before registering anything: ggml's own type and op names for the enum
+ *   values, its tensor size, and the CPU buffer type's name read through the mirrored
+ *   struct. Any mismatch and nothing is registered; llama.cpp computes as before.
+ * - ggml's functions come in as pointers from Python (resolved in llama_cpp's own copies of
+ *   the libraries), checked non-null.
+ * - Change an exported signature or the counters and bump BUTTER_LAYER_MATMUL_ABI_VERSION.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "q8_0_tiles.h"
+
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 1
+
+/* Status codes of the exported functions. */
+#define BUTTER_OK 0
+#define BUTTER_DECLINED 1      /* no kernel for this CPU: nothing registered */
+#define BUTTER_E_ARGUMENT (-2) /* a pointer is null */
+#define BUTTER_E_STATE (-3)    /* registered already */
+
+#define COUNTERS 4 /* butter_layer_matmul_counters: matrices, packed bytes, matmuls, rows */
+
+namespace ggml_mirror {
+
+/* ggml.h (llama-cpp-python 0.3.36's vendored ggml). */
+constexpr int MAX_DIMS = 4;
+constexpr int MAX_OP_PARAMS = 64;
+constexpr int MAX_SRC = 10;
+constexpr int MAX_NAME = 64;
+constexpr int TYPE_F32 = 0;
+constexpr int TYPE_Q8_0 = 8;
+constexpr int OP_MUL_MAT = 29;
+constexpr int STATUS_SUCCESS = 0;
+
+struct backend_buffer;
+struct backend_buffer_type;
+
+struct tensor {
+    int type;
+    backend_buffer *buffer;
+    int64_t ne[MAX_DIMS];
+    size_t nb[MAX_DIMS];
+    int op;
+    int32_t op_params[MAX_OP_PARAMS / sizeof(int32_t)];
+    int32_t flags;
+    tensor *src[MAX_SRC];
+    tensor *view_src;
+    size_t view_offs;
+    void *data;
+    char name[MAX_NAME];
+    void *extra;
+    char padding[8];
+};
+
+/* ggml-backend-impl.h */
+struct backend_buffer_type_i {
+    const char *(*get_name)(backend_buffer_type *buft);
+    backend_buffer *(*alloc_buffer)(backend_buffer_type *buft, size_t size);
+    size_t (*get_alignment)(backend_buffer_type *buft);
+    size_t (*get_max_size)(backend_buffer_type *buft);
+    size_t (*get_alloc_size)(backend_buffer_type *buft, const tensor *t);
+    bool (*is_host)(backend_buffer_type *buft);
+};
+
+struct backend_buffer_type {
+    backend_buffer_type_i iface;
+    void *device;
+    void *context;
+};
+
+struct backend_buffer_i {
+    void (*free_buffer)(backend_buffer *buffer);
+    void *(*get_base)(backend_buffer *buffer);
+    int (*init_tensor)(backend_buffer *buffer, tensor *t);
+    void (*memset_tensor)(backend_buffer *buffer, tensor *t, uint8_t value, size_t offset,
+                          size_t size);
+    void (*set_tensor)(backend_buffer *buffer, tensor *t, const void *data, size_t offset,
+                       size_t size);
+    void (*get_tensor)(backend_buffer *buffer, const tensor *t, void *data, size_t offset,
+                       size_t size);
+    void (*set_tensor_2d)(backend_buffer *buffer, tensor *t, const void *data, size_t offset,
+                          size_t size, size_t n_copies, size_t stride_tensor,
+                          size_t stride_data);
+    void (*get_tensor_2d)(backend_buffer *buffer, const tensor *t, void *data, size_t offset,
+                          size_t size, size_t n_copies, size_t stride_tensor,
+                          size_t stride_data);
+    bool (*cpy_tensor)(backend_buffer *buffer, const tensor *src, tensor *dst);
+    void (*clear)(backend_buffer *buffer, uint8_t value);
+    void (*reset)(backend_buffer *buffer);
+};
+
+struct backend_buffer {
+    backend_buffer_i iface;
+    backend_buffer_type *buft;
+    void *context;
+    size_t size;
+    int usage;
+};
+
+/* ggml-cpu-impl.h */
+struct compute_params {
+    int ith, nth;
+    size_t wsize;
+    void *wdata;
+    void *threadpool;
+    bool use_ref;
+};
+
+/* ggml-cpu/traits.h: the two interfaces the CPU backend calls through (same virtual
+ * functions in the same order, so the same vtable layout). */
+class tensor_traits {
+  public:
+    virtual ~tensor_traits() {}
+    virtual bool work_size(int n_threads, const tensor *op, size_t &size) = 0;
+    virtual bool compute_forward(compute_params *params, tensor *op) = 0;
+};
+
+class extra_buffer_type {
+  public:
+    virtual ~extra_buffer_type() {}
+    virtual bool supports_op(void *dev, const tensor *op) = 0;
+    virtual tensor_traits *get_tensor_traits(const tensor *op) = 0;
+};
+
+}  // namespace ggml_mirror
+
+namespace {
+
+using ggml_mirror::backend_buffer;
+using ggml_mirror::backend_buffer_type;
+using ggml_mirror::tensor;
+
+/* ggml's functions, from llama_cpp's libraries (butter_layer_matmul_register). */
+struct Ggml {
+    std::vector<backend_buffer_type *> &(*extra_buffer_types)();
+    backend_buffer_type *(*cpu_buffer_type)();
+    backend_buffer *(*buft_alloc_buffer)(backend_buffer_type *buft, size_t size);
+    bool (*buft_is_host)(backend_buffer_type *buft);
+    void (*barrier)(void *threadpool);
+    size_t (*nbytes)(const tensor *t);
+};
+
+Ggml ggml;
+bool registered = false;
+/* Whether new weights may be placed here (butter_layer_matmul_accept). Matmuls on weights
+ * already here always run here: nothing else can read the layout. */
+std::atomic<bool> accepting{false};
+
+std::atomic<int64_t> matrices{0}, packed_bytes{0}, matmuls{0}, matmul_rows{0};
+
+constexpr size_t ALIGN = 64;
+
+size_t aligned(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
+
+/* The tiled layout of a K x N Q8_0 matrix (K columns per row, N rows), in one block of
+ * memory: int8 weights, then fp16 scales, then int16 block sums (q8_0_tiles.h). */
+struct Layout {
+    int64_t nb, n_tiles, padded_blocks;
+    int8_t *wq;
+    uint16_t *wd;
+    int16_t *wsum;
+
+    Layout(const tensor *w, void *data) {
+        nb = w->ne[0] / QK;
+        n_tiles = (w->ne[1] + LANES - 1) / LANES;
+        padded_blocks = n_tiles * LANES * nb;
+        wq = (int8_t *)data;
+        wd = (uint16_t *)(wq + aligned((size_t)padded_blocks * QK));
+        wsum = (int16_t *)((char *)wd + aligned((size_t)padded_blocks * sizeof(uint16_t)));
+    }
+
+    size_t bytes() const {
+        return aligned((size_t)padded_blocks * QK) +
+               2 * aligned((size_t)padded_blocks * sizeof(uint16_t));
+    }
+};
+
+bool kernel_runs() {
+#ifdef BUTTER_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
+           __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+}
+
+backend_buffer_type *buffer_type();
+
+/* A layer's weight ("blk.N..."). The output matrix is left in llama.cpp's buffer, which maps
+ * the file: butter's output projection (lmhead.c) computes the logits from its own copy,
+ * and a second packed copy here would cost its size in memory for a path rarely taken. */
+bool is_layer_weight(const tensor *w) { return strncmp(w->name, "blk.", 4) == 0; }
+
+bool is_plain_q8_0_weight(const tensor *w) {
+    return w != nullptr && w->type == ggml_mirror::TYPE_Q8_0 && w->ne[2] == 1 &&
+           w->ne[3] == 1 && w->view_src == nullptr && w->ne[0] % QK == 0;
+}
+
+/* The activation rows of a matmul: src1's ne[1] x ne[2] x ne[3] rows of K floats. */
+int64_t activation_rows(const tensor *x) { return x->ne[1] * x->ne[2] * x->ne[3]; }
+
+/* Work buffer: the quantized rows (+128), their scales, and one row of floats per thread
+ * to gather a row that is not contiguous. */
+size_t work_bytes(int n_threads, const tensor *op) {
+    const tensor *x = op->src[1];
+    const int64_t k = x->ne[0], rows = activation_rows(x);
+    return aligned((size_t)(rows * k)) + aligned((size_t)(rows * (k / QK)) * sizeof(float)) +
+           (size_t)n_threads * aligned((size_t)k * sizeof(float)) + ALIGN;
+}
+
+#ifdef BUTTER_X86
+
+const float *activation_row(const tensor *x, int64_t row, float *gather) {
+    const int64_t i1 = row % x->ne[1], i2 = row / x->ne[1] % x->ne[2],
+                  i3 = row / (x->ne[1] * x->ne[2]);
+    const char *base = (const char *)x->data + i1 * x->nb[1] + i2 * x->nb[2] + i3 * x->nb[3];
+    if (x->nb[0] == sizeof(float)) {
+        return (const float *)base;
+    }
+    for (int64_t i = 0; i < x->ne[0]; i++) {
+        gather[i] = *(const float *)(base + i * x->nb[0]);
+    }
+    return gather;
+}
+
+/* dst = x * w^T, shared by the CPU backend's threads (each calls this with its ith). The
+ * activations are quantized by all threads, then each thread computes its own tiles for
+ * every row: a tile's weights stay in cache across the row passes. */
+VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
+    const tensor *w = dst->src[0];
+    const tensor *x = dst->src[1];
+    const int64_t k = w->ne[0], n = w->ne[1], rows = activation_rows(x);
+    const Layout layout(w, w->data);
+    const int64_t nb = layout.nb;
+
+    uint8_t *xq = (uint8_t *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
+    float *xd = (float *)(xq + aligned((size_t)(rows * k)));
+    float *gather = (float *)((char *)xd + aligned((size_t)(rows * nb) * sizeof(float)) +
+                              (size_t)params->ith * aligned((size_t)k * sizeof(float)));
+    for (int64_t r = params->ith; r < rows; r += params->nth) {
+        q8_quantize_row(activation_row(x, r, gather), k, 128, xq + r * k, xd + r * nb);
+    }
+    ggml.barrier(params->threadpool);
+
+    const int64_t first = layout.n_tiles * params->ith / params->nth;
+    const int64_t last = layout.n_tiles * (params->ith + 1) / params->nth;
+    for (int64_t t = first; t < last; t++) {
+        const int lanes = (int)(n - t * LANES < LANES ? n - t * LANES : LANES);
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
+            const int R = (int)(rows - r0 < ROWS_PER_PASS ? rows - r0 : ROWS_PER_PASS);
+            /* Rows of dst are evenly spaced within one (i2, i3) slice only: a pass that
+             * would cross slices takes each row on its own. */
+            const int64_t i1 = r0 % x->ne[1];
+            if (i1 + R <= x->ne[1]) {
+                const int64_t slice = r0 / x->ne[1];
+                char *out = (char *)dst->data + i1 * dst->nb[1] +
+                            slice % dst->ne[2] * dst->nb[2] + slice / dst->ne[2] * dst->nb[3];
+                q8_tile_pass(layout.wq, layout.wd, layout.wsum, nb, t, R, xq + r0 * k,
+                             xd + r0 * nb, (float *)out + t * LANES,
+                             (int64_t)(dst->nb[1] / sizeof(float)), lanes);
+                continue;
+            }
+            for (int64_t r = r0; r < r0 + R; r++) {
+                const int64_t j1 = r % x->ne[1], slice = r / x->ne[1];
+                char *out = (char *)dst->data + j1 * dst->nb[1] +
+                            slice % dst->ne[2] * dst->nb[2] + slice / dst->ne[2] * dst->nb[3];
+                q8_tile_pass(layout.wq, layout.wd, layout.wsum, nb, t, 1, xq + r * k,
+                             xd + r * nb, (float *)out + t * LANES, 0, lanes);
+            }
+        }
+    }
+    if (params->ith == 0) {
+        matmuls.fetch_add(1, std::memory_order_relaxed);
+        matmul_rows.fetch_add(rows, std::memory_order_relaxed);
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+class Q8Traits : public ggml_mirror::tensor_traits {
+    bool work_size(int n_threads, const tensor *op, size_t &size) override {
+        size = work_bytes(n_threads, op);
+        return true;
+    }
+
+    bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
+        if (op->op != ggml_mirror::OP_MUL_MAT) {
+            return false;
+        }
+#ifdef BUTTER_X86
+        multiply(params, op);
+        return true;
+#else
+        return false;
+#endif
+    }
+};
+
+Q8Traits q8_traits;
+
+class Q8BufferType : public ggml_mirror::extra_buffer_type {
+    /* Asked at load (the weight has no data yet: may it live here?) and when the graph is
+     * scheduled (it lives here: can this op run on it?). */
+    bool supports_op(void *dev, const tensor *op) override {
+        (void)dev;
+        const tensor *w = op->src[0];
+        const tensor *x = op->src[1];
+        if (op->op != ggml_mirror::OP_MUL_MAT || !is_plain_q8_0_weight(w) || x == nullptr ||
+            x->type != ggml_mirror::TYPE_F32) {
+            return false;
+        }
+        if (x->buffer != nullptr && !ggml.buft_is_host(x->buffer->buft)) {
+            return false;
+        }
+        if (w->data != nullptr) {
+            return true; /* stored here already: nothing else can compute with it */
+        }
+        return accepting.load() && is_layer_weight(w);
+    }
+
+    ggml_mirror::tensor_traits *get_tensor_traits(const tensor *op) override {
+        const tensor *w = op->src[0];
+        if (op->op == ggml_mirror::OP_MUL_MAT && w != nullptr && w->buffer != nullptr &&
+            w->buffer->buft == buffer_type()) {
+            return (ggml_mirror::tensor_traits *)w->extra;
+        }
+        return nullptr;
+    }
+};
+
+void fail(const char *what) {
+    /* ggml's own answer to a broken invariant (GGML_ABORT): a weight that cannot be stored
+     * would compute garbage. */
+    fprintf(stderr, "butter layer matmul: %s\n", what);
+    abort();
+}
+
+int init_tensor(backend_buffer *buffer, tensor *t) {
+    (void)buffer;
+    t->extra = &q8_traits;
+    return ggml_mirror::STATUS_SUCCESS;
+}
+
+void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offset,
+                size_t size) {
+    (void)buffer;
+    if (!is_plain_q8_0_weight(t)) {
+        fail("a tensor that is not a plain 2-D Q8_0 matrix was stored");
+    }
+    if (offset != 0 || size != ggml.nbytes(t)) {
+        fail("a weight was stored in parts");
+    }
+    const Layout layout(t, t->data);
+    q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
+                  layout.wsum);
+    matrices.fetch_add(1, std::memory_order_relaxed);
+    packed_bytes.fetch_add((int64_t)layout.bytes(), std::memory_order_relaxed);
+}
+
+const char *get_name(backend_buffer_type *buft) {
+    (void)buft;
+    return "BUTTER_Q8_0";
+}
+
+backend_buffer *alloc_buffer(backend_buffer_type *buft, size_t size) {
+    backend_buffer *buffer = ggml.buft_alloc_buffer(ggml.cpu_buffer_type(), size);
+    if (buffer == nullptr) {
+        return nullptr;
+    }
+    /* A CPU buffer whose tensors are stored in the tile layout: nothing may read or copy
+     * them as ggml tensors. */
+    buffer->buft = buft;
+    buffer->iface.init_tensor = init_tensor;
+    buffer->iface.set_tensor = set_tensor;
+    buffer->iface.memset_tensor = nullptr;
+    buffer->iface.get_tensor = nullptr;
+    buffer->iface.set_tensor_2d = nullptr;
+    buffer->iface.get_tensor_2d = nullptr;
+    buffer->iface.cpy_tensor = nullptr;
+    return buffer;
+}
+
+size_t get_alignment(backend_buffer_type *buft) {
+    (void)buft;
+    return ALIGN;
+}
+
+size_t get_alloc_size(backend_buffer_type *buft, const tensor *t) {
+    (void)buft;
+    if (!is_plain_q8_0_weight(t)) {
+        return ggml.nbytes(t);
+    }
+    return Layout(t, nullptr).bytes();
+}
+
+Q8BufferType q8_buffer_type_context;
+
+backend_buffer_type q8_buffer_type = {
+    {get_name, alloc_buffer, get_alignment, nullptr, get_alloc_size, nullptr},
+    nullptr, /* the CPU device, set at registration */
+    &q8_buffer_type_context,
+};
+
+backend_buffer_type *buffer_type() { return &q8_buffer_type; }
+
+}  // namespace
+
+extern "C" {
+
+int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_VERSION; }
+
+/* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
+ * the F32 and Q8_0 type numbers, the MUL_MAT op number. */
+int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
+    if (out == nullptr || out_bytes < 4 * sizeof(int64_t)) {
+        return BUTTER_E_ARGUMENT;
+    }
+    out[0] = (int64_t)sizeof(tensor);
+    out[1] = ggml_mirror::TYPE_F32;
+    out[2] = ggml_mirror::TYPE_Q8_0;
+    out[3] = ggml_mirror::OP_MUL_MAT;
+    return BUTTER_OK;
+}
+
+/* The name of a buffer type, read through the mirrored struct (Python checks that the CPU
+ * buffer type reads as "CPU"). */
+const char *butter_layer_matmul_buffer_type_name(void *buft) {
+    backend_buffer_type *b = (backend_buffer_type *)buft;
+    return b == nullptr ? nullptr : b->iface.get_name(b);
+}
+
+/* Whether this CPU has the kernel's instructions. */
+int32_t butter_layer_matmul_supported(void) { return kernel_runs() ? 1 : 0; }
+
+/* Adds butter's buffer type to the CPU backend's extra buffer types (once per process, and
+ * before llama.cpp first lists them, which it does at its first model load). */
+int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_type,
+                                     void *buft_alloc_buffer, void *buft_is_host,
+                                     void *barrier, void *nbytes, void *cpu_device) {
+    if (!extra_buffer_types || !cpu_buffer_type || !buft_alloc_buffer || !buft_is_host ||
+        !barrier || !nbytes || !cpu_device) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (registered) {
+        return BUTTER_E_STATE;
+    }
+    if (!kernel_runs()) {
+        return BUTTER_DECLINED;
+    }
+    ggml.extra_buffer_types =
+        (std::vector<backend_buffer_type *> & (*)()) extra_buffer_types;
+    ggml.cpu_buffer_type = (backend_buffer_type * (*)()) cpu_buffer_type;
+    ggml.buft_alloc_buffer = (backend_buffer * (*)(backend_buffer_type *, size_t)) buft_alloc_buffer;
+    ggml.buft_is_host = (bool (*)(backend_buffer_type *))buft_is_host;
+    ggml.barrier = (void (*)(void *))barrier;
+    ggml.nbytes = (size_t(*)(const tensor *))nbytes;
+    q8_buffer_type.device = cpu_device;
+    ggml.extra_buffer_types().push_back(&q8_buffer_type);
+    registered = true;
+    return BUTTER_OK;
+}
+
+/* The registered buffer type (to find it in llama.cpp's list), or null. */
+void *butter_layer_matmul_buffer_type(void) { return registered ? &q8_buffer_type : nullptr; }
+
+/* Whether the next model loads may place Q8_0 weights here. */
+int32_t butter_layer_matmul_accept(int32_t accept) {
+    accepting.store(accept != 0);
+    return BUTTER_OK;
+}
+
+/* Matrices stored here and their bytes (since the process started), matmuls computed here
+ * and their activation rows. */
+int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
+    if (out == nullptr || out_bytes < COUNTERS * sizeof(int64_t)) {
+        return BUTTER_E_ARGUMENT;
+    }
+    out[0] = matrices.load();
+    out[1] = packed_bytes.load();
+    out[2] = matmuls.load();
+    out[3] = matmul_rows.load();
+    return BUTTER_OK;
+}
+
+}  // extern "C"
+
+static struct PyModuleDef layer_matmul_module = {
+    PyModuleDef_HEAD_INIT, "_layer_matmul",
+    "butter's Q8_0 layer matmuls for llama.cpp (loaded with ctypes, see "
+    "butter/backends/llama_cpp/layer_matmul.py)",
+    -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__layer_matmul(void) { return PyModule_Create(&layer_matmul_module); }
