@@ -76,10 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "at load), checked against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--fast-layers", action=argparse.BooleanOptionalAction, default=True,
-                       help="llama.cpp: butter multiplies the layers' Q8_0 matrices with its "
-                            "AVX512-VNNI kernel inside llama.cpp's CPU backend where the CPU "
-                            "and the build allow (llama.cpp's x86 code has no interleaved "
-                            "Q8_0 kernel); needs weight repacking on (not --deterministic); "
+                       help="llama.cpp: butter multiplies the layers' Q8_0 and Q6_K matrices "
+                            "with its AVX512-VNNI kernels inside llama.cpp's CPU backend where "
+                            "the CPU and the build allow (llama.cpp's x86 code has no "
+                            "interleaved kernel for either); needs weight repacking on (not "
+                            "--deterministic); "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                        help="llama.cpp: turn weight repacking off, so a prompt's KV cache and "

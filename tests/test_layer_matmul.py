@@ -1,10 +1,11 @@
 """butter's Q8_0 layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp,
 butter/backends/llama_cpp/layer_matmul.py).
 
-Checked on the real engine: which matrices the kernel takes (a file's plain 2-D Q8_0
-layer matrices, nothing else), that llama.cpp's graph multiplies them there, that the
-logits and greedy tokens stay llama.cpp's own (on the tiny model and on the demo model's
-real weights), and that where it does not apply the reason is said and nothing is taken.
+Checked on the real engine: which matrices the kernels take (a file's plain 2-D Q8_0 and
+Q6_K layer matrices, nothing else), that llama.cpp's graph multiplies them there, that each
+product is llama.cpp's own to float rounding, that greedy tokens on the demo model's real
+weights stay llama.cpp's, and that where it does not apply the reason is said and nothing
+is taken.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import gguf
 import llama_cpp as ll
 import numpy as np
@@ -51,17 +53,26 @@ def _backend(path: Path, *, fast_layers: bool, repack: bool = True) -> LlamaCppB
                            fast_layers=fast_layers, repack=repack)
 
 
-def _plain_q8_0_layer_matrices(path: Path) -> int:
-    """What the kernel should take from a file, counted by the gguf package."""
+MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+TILED = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q6_K": gguf.GGMLQuantizationType.Q6_K}
+
+
+def _tiled_layer_matrices(path: Path) -> dict[str, int]:
+    """What the kernels should take from a file, by type, counted by the gguf package."""
     reader = gguf.GGUFReader(path)
-    return sum(1 for t in reader.tensors
-               if t.name.startswith("blk.") and len(t.shape) == 2
-               and t.tensor_type == gguf.GGMLQuantizationType.Q8_0)
+    return {name: sum(1 for t in reader.tensors
+                      if t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type == qtype)
+            for name, qtype in TILED.items()}
+
+
+def _weight_type(path: Path, name: str) -> str:
+    reader = gguf.GGUFReader(path)
+    return next(t.tensor_type.name for t in reader.tensors if t.name == name)
 
 
 def _since(before: Counters, after: Counters) -> Counters:
-    return Counters(after.matrices - before.matrices, after.packed_bytes - before.packed_bytes,
-                    after.matmuls - before.matmuls, after.rows - before.rows)
+    pairs = zip(attrs.astuple(after), attrs.astuple(before), strict=True)
+    return Counters(*(a - b for a, b in pairs))
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gguf", "tiny_q4_k_m_gguf", "demo_gguf"])
@@ -70,23 +81,23 @@ def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
 ) -> None:
     kernel = _kernel_or_skip()
     path: Path = request.getfixturevalue(fixture)
-    expected = _plain_q8_0_layer_matrices(path)
+    expected = _tiled_layer_matrices(path)
+    assert any(expected.values())
     before = kernel.counters()
     backend = _backend(path, fast_layers=True)
     try:
         taken = _since(before, kernel.counters())
-        assert taken.matrices == expected
-        if expected:
-            assert backend.model.layers_by == f"butter (AVX512-VNNI; {expected} Q8_0 matrices)"
-        else:  # Q4_K_M: Q4_K goes to llama.cpp's repacking, Q6_K stays llama.cpp's
-            assert backend.model.layers_by == "llama.cpp (no plain Q8_0 layer matrices)"
+        # (Q4_K_M's Q4_K matrices go to llama.cpp's repacking, first in its list)
+        assert {"Q8_0": taken.q8_0_matrices, "Q6_K": taken.q6_k_matrices} == expected
+        counts = " + ".join(f"{n} {name}" for name, n in expected.items() if n)
+        assert backend.model.layers_by == f"butter (AVX512-VNNI; {counts} matrices)"
     finally:
         backend.close()
 
 
 def test_the_graph_multiplies_those_matrices_with_the_kernel(tiny_gguf: Path) -> None:
     kernel = _kernel_or_skip()
-    matrices = _plain_q8_0_layer_matrices(tiny_gguf)
+    matrices = sum(_tiled_layer_matrices(tiny_gguf).values())
     backend = _backend(tiny_gguf, fast_layers=True)
     try:
         before = kernel.counters()
@@ -135,27 +146,47 @@ def demo_pair(demo_gguf: Path) -> Iterator[tuple[LlamaCppBackend, LlamaCppBacken
     theirs.close()
 
 
-def test_the_demo_models_logits_and_greedy_tokens_stay_llama_cpps(
+def _teacher_forced_logits(backend: LlamaCppBackend, prompt: str, tokens: list[int] | None,
+                           steps: int) -> tuple[list[int], np.ndarray]:
+    """Greedy tokens after `prompt` and every step's logits; with `tokens`, those are fed
+    instead of the greedy ones (so two backends see the same sequence)."""
+    prompt_tokens = backend.tokenize(prompt, add_bos=True)
+    ops = [RemoveTokens(0, 0), SetSampler(0, SamplingParams(temperature=0))]
+    backend.step(ops, [SeqWork(0, tuple(prompt_tokens), 0, sample=True, prompt=True)])
+    batch = backend.model.batch
+    row = next(r for r in range(batch.n_tokens) if batch.logits[r])
+    logits = [np.array(backend.step_logits(row))]
+    for i in range(steps):
+        fed = tokens[i] if tokens is not None else int(np.argmax(logits[-1]))
+        backend.step([], [SeqWork(0, (fed,), len(prompt_tokens) + i, sample=True)])
+        logits.append(np.array(backend.step_logits(0)))
+    return [int(np.argmax(step)) for step in logits], np.stack(logits)
+
+
+def test_the_demo_models_logits_stay_llama_cpps(
     demo_pair: tuple[LlamaCppBackend, LlamaCppBackend],
 ) -> None:
+    """On real weights, fed the same tokens, the logits stay llama.cpp's within what its own
+    repacking moves them (measured on these prompts: llama.cpp's repacked Q4_K kernels
+    against its plain ones differ by 2.9-5.8% RMS and pick another top token at 4 of 175
+    steps; butter's layer kernels against llama.cpp's, 1.3-4.9% and 1 of 175). A wrong
+    kernel is off by ~100%."""
     ours, theirs = demo_pair
     assert ours.model.layers_by.startswith("butter") and theirs.model.layers_by.startswith(
         "llama.cpp")
-    our_tokens, our_logits = _generate_greedy(ours, PROMPTS, steps=24)
-    their_tokens, their_logits = _generate_greedy(theirs, PROMPTS, steps=24)
-    # Exact integer block products and the same activation quantization: only float sums
-    # over blocks may run in another order (on this model the logits come out the same bits).
-    assert llama_loading.relative_rms_error(our_logits, their_logits) < 1e-4
-    assert our_tokens == their_tokens
+    agree = steps = 0
+    for prompt in PROMPTS:
+        their_tokens, their_logits = _teacher_forced_logits(theirs, prompt, None, steps=24)
+        our_tokens, our_logits = _teacher_forced_logits(ours, prompt, their_tokens, steps=24)
+        assert llama_loading.relative_rms_error(our_logits, their_logits) < 0.1
+        agree += sum(a == b for a, b in zip(our_tokens, their_tokens, strict=True))
+        steps += len(their_tokens)
+    assert agree >= 0.95 * steps
 
 
-# What llama.cpp names the outputs of layer 0's first three matmuls, whose input (the
-# normed embeddings) is the same bits either way.
-FIRST_MATMULS = ("Qcur-0", "Kcur-0", "Vcur-0")
-
-
-def _first_matmul_outputs(path: Path, *, fast_layers: bool, tokens: int) -> dict[str, Any]:
-    """FIRST_MATMULS' outputs for one prompt, read with llama.cpp's eval callback."""
+def _matmul_outputs(path: Path, nodes: tuple[str, ...], *, fast_layers: bool, tokens: int
+                    ) -> dict[str, Any]:
+    """The named graph nodes' outputs for one prompt, read with llama.cpp's eval callback."""
     base = layer_matmul._ggml_libraries()[0]
     base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     base.ggml_get_data.argtypes, base.ggml_get_data.restype = [ctypes.c_void_p], ctypes.c_void_p
@@ -165,7 +196,7 @@ def _first_matmul_outputs(path: Path, *, fast_layers: bool, tokens: int) -> dict
     def look(tensor: int, ask: bool, user_data: int) -> bool:
         name = base.ggml_get_name(tensor).decode()
         if ask:
-            return name in FIRST_MATMULS
+            return name in nodes
         raw = ctypes.string_at(base.ggml_get_data(tensor), base.ggml_nbytes(tensor))
         seen[name] = np.frombuffer(raw, dtype=np.float32).copy()
         return True
@@ -191,20 +222,39 @@ def _first_matmul_outputs(path: Path, *, fast_layers: bool, tokens: int) -> dict
     return seen
 
 
+# Products whose input is the same bits either way, by what llama.cpp names their outputs,
+# with the weight each multiplies: layer 0's first three in the Q8_0 model (their input is
+# the normed embeddings), and in the Q4_K_M model layer 1's V projection, a Q6_K matrix
+# after a layer 0 of Q4_K and Q5_0 only (llama.cpp's kernels both times).
+PRODUCTS = {
+    "tiny_256_q8_0_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight",
+                           "Vcur-0": "blk.0.attn_v.weight"},
+    "tiny_q4_k_m_gguf": {"Vcur-1": "blk.1.attn_v.weight"},
+}
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 8, 21])
-def test_each_product_is_llama_cpps_to_float_rounding(tiny_256_q8_0_gguf: Path,
-                                                      tokens: int) -> None:
+@pytest.mark.parametrize(("fixture", "qtype"), [("tiny_256_q8_0_gguf", "Q8_0"),
+                                                 ("tiny_q4_k_m_gguf", "Q6_K")])
+def test_each_product_is_llama_cpps_to_float_rounding(
+    fixture: str, qtype: str, tokens: int, request: pytest.FixtureRequest,
+) -> None:
     """The same inputs give llama.cpp's outputs but for the float sums' order (a model of
     random weights then carries such last-bit differences into visible ones, through the
     next layers' activation rounding: hence a check at the matmul itself)."""
     kernel = _kernel_or_skip()
+    path: Path = request.getfixturevalue(fixture)
+    products = PRODUCTS[fixture]
+    assert {_weight_type(path, weight) for weight in products.values()} == {qtype}
+    if fixture == "tiny_q4_k_m_gguf":  # nothing of layer 0 is butter's
+        assert {_weight_type(path, f"blk.0.{m}.weight") for m in MATMULS} <= {"Q4_K", "Q5_0"}
     before = kernel.counters()
-    ours = _first_matmul_outputs(tiny_256_q8_0_gguf, fast_layers=True, tokens=tokens)
+    ours = _matmul_outputs(path, tuple(products), fast_layers=True, tokens=tokens)
     ran = _since(before, kernel.counters())
-    theirs = _first_matmul_outputs(tiny_256_q8_0_gguf, fast_layers=False, tokens=tokens)
+    theirs = _matmul_outputs(path, tuple(products), fast_layers=False, tokens=tokens)
     assert ran.matmuls > 0 and _since(before, kernel.counters()).matmuls == ran.matmuls
-    assert sorted(ours) == sorted(theirs) == sorted(FIRST_MATMULS)
-    for name in FIRST_MATMULS:
+    assert sorted(ours) == sorted(theirs) == sorted(products)
+    for name in products:
         scale = np.abs(theirs[name]).max()
         np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6 * scale)
 
@@ -254,7 +304,8 @@ def test_the_flags_reach_the_loaded_model_and_server_info(
         shown = resident.metadata()["layer_matmuls"]  # what /v1/server shows
         taken = _since(before, kernel.counters()).matrices
         if reason is None:  # on by default wherever it applies
-            assert shown.startswith("butter (") and taken == _plain_q8_0_layer_matrices(tiny_gguf)
+            assert shown.startswith("butter (")
+            assert taken == sum(_tiled_layer_matrices(tiny_gguf).values())
         else:
             assert shown == reason and taken == 0
     finally:
@@ -280,7 +331,7 @@ def test_a_ggml_the_library_does_not_mirror_is_refused() -> None:
     lib = kernel._lib
     base, cpu = layer_matmul._ggml_libraries()
     layer_matmul._check_mirror(lib, base, cpu)  # this ggml: the mirror matches
-    real = (ctypes.c_int64 * 4)()
+    real = (ctypes.c_int64 * layer_matmul.MIRRORED)()
     lib.butter_layer_matmul_mirror(real, ctypes.sizeof(real))
     with pytest.raises(Unavailable, match="tensor size"):
         layer_matmul._check_mirror(_MirrorOf(lib, int(real[0]) + 8), base, cpu)

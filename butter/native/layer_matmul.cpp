@@ -1,13 +1,14 @@
 /*
- * butter's Q8_0 layer matmuls, plugged into llama.cpp's CPU backend on x86 CPUs with
- * AVX512-VNNI.
+ * butter's Q8_0 and Q6_K layer matmuls, plugged into llama.cpp's CPU backend on x86 CPUs
+ * with AVX512-VNNI.
  *
  * Why: with several sequences decoding at once, a step multiplies every layer matrix by 2-8
- * activation rows. For Q8_0 matrices llama.cpp's x86 CPU code has no interleaved
- * ("repacked") kernel, and its generic path (tinyBLAS) runs those small products far below
- * what the cores can do: on Qwen3-0.6B's shape the layer matmuls are ~2/3 of an 8-row step.
- * The tile layout that made butter's output projection 4x faster at 8 rows
- * (q8_0_tiles.h) serves any Q8_0 matrix.
+ * activation rows. For Q8_0 and Q6_K matrices llama.cpp's x86 CPU code has no interleaved
+ * ("repacked") kernel, and its generic paths (tinyBLAS, or one dot product per row and
+ * column) run those small products far below what the cores can do: on Qwen3-0.6B's shape
+ * in Q8_0 the layer matmuls were ~2/3 of an 8-row step. The tile layout that made butter's
+ * output projection 4x faster at 8 rows (q8_0_tiles.h) serves any Q8_0 matrix, and Q6_K
+ * gets the same layout with its 6-bit values kept packed (q6_k_tiles.h).
  *
  * How: the way llama.cpp's own repacked kernels plug in. The CPU backend keeps a list of
  * "extra" buffer types; when it loads a model, it offers each weight to them in order, and
@@ -16,12 +17,13 @@
  * first for every node, and a matmul whose weight lives here runs here, on the CPU
  * backend's own threads, with its own work buffer and barrier. So this file adds a buffer
  * type to that list, before the first model is loaded, and accepts exactly one thing: a
- * plain 2-D Q8_0 weight multiplied by f32 activations. Everything else (other types, other
- * ops, anything llama.cpp's repacking takes first) stays with llama.cpp.
+ * layer's plain 2-D Q8_0 or Q6_K weight multiplied by f32 activations. Everything else
+ * (other types, other ops, anything llama.cpp's repacking takes first) stays with
+ * llama.cpp.
  *
- * Same numbers as llama.cpp: see q8_0_tiles.h (exact integer block dot products, the same
- * activation quantization, float sums over blocks in another order). A row's result never
- * depends on the other rows of the batch.
+ * Same numbers as llama.cpp: see the two headers (exact integer block dot products, the
+ * same activation quantization, float sums over blocks in another order). A row's result
+ * never depends on the other rows of the batch.
  *
  * The boundary (ctypes and C++ ABI, which check nothing themselves):
  * - No ggml header is needed to build this file: the few ggml structures it touches are
@@ -45,9 +47,10 @@
 #include <cstring>
 #include <vector>
 
+#include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 1
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 2
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -55,7 +58,8 @@
 #define BUTTER_E_ARGUMENT (-2) /* a pointer is null */
 #define BUTTER_E_STATE (-3)    /* registered already */
 
-#define COUNTERS 4 /* butter_layer_matmul_counters: matrices, packed bytes, matmuls, rows */
+/* butter_layer_matmul_counters: Q8_0 matrices, Q6_K matrices, packed bytes, matmuls, rows */
+#define COUNTERS 5
 
 namespace ggml_mirror {
 
@@ -66,6 +70,7 @@ constexpr int MAX_SRC = 10;
 constexpr int MAX_NAME = 64;
 constexpr int TYPE_F32 = 0;
 constexpr int TYPE_Q8_0 = 8;
+constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
 constexpr int STATUS_SUCCESS = 0;
 
@@ -175,6 +180,7 @@ struct Ggml {
     bool (*buft_is_host)(backend_buffer_type *buft);
     void (*barrier)(void *threadpool);
     size_t (*nbytes)(const tensor *t);
+    void (*quantize_row_q8_k)(const float *x, void *y, int64_t k);
 };
 
 Ggml ggml;
@@ -183,7 +189,8 @@ bool registered = false;
  * already here always run here: nothing else can read the layout. */
 std::atomic<bool> accepting{false};
 
-std::atomic<int64_t> matrices{0}, packed_bytes{0}, matmuls{0}, matmul_rows{0};
+std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, packed_bytes{0}, matmuls{0},
+    matmul_rows{0};
 
 constexpr size_t ALIGN = 64;
 
@@ -191,13 +198,13 @@ size_t aligned(size_t n) { return (n + ALIGN - 1) / ALIGN * ALIGN; }
 
 /* The tiled layout of a K x N Q8_0 matrix (K columns per row, N rows), in one block of
  * memory: int8 weights, then fp16 scales, then int16 block sums (q8_0_tiles.h). */
-struct Layout {
+struct Q8Layout {
     int64_t nb, n_tiles, padded_blocks;
     int8_t *wq;
     uint16_t *wd;
     int16_t *wsum;
 
-    Layout(const tensor *w, void *data) {
+    Q8Layout(const tensor *w, void *data) {
         nb = w->ne[0] / QK;
         n_tiles = (w->ne[1] + LANES - 1) / LANES;
         padded_blocks = n_tiles * LANES * nb;
@@ -212,12 +219,17 @@ struct Layout {
     }
 };
 
+/* The tiled layout of a K x N Q6_K matrix (q6_k_tiles.h): the file's bytes, rearranged. */
+size_t q6_bytes(const tensor *w) {
+    return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * Q6_TILE_BLOCK_BYTES;
+}
+
 bool kernel_runs() {
 #ifdef BUTTER_X86
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
            __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512vnni");
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
 #else
     return false;
 #endif
@@ -230,21 +242,35 @@ backend_buffer_type *buffer_type();
  * and a second packed copy here would cost its size in memory for a path rarely taken. */
 bool is_layer_weight(const tensor *w) { return strncmp(w->name, "blk.", 4) == 0; }
 
-bool is_plain_q8_0_weight(const tensor *w) {
-    return w != nullptr && w->type == ggml_mirror::TYPE_Q8_0 && w->ne[2] == 1 &&
-           w->ne[3] == 1 && w->view_src == nullptr && w->ne[0] % QK == 0;
+/* A plain 2-D matrix of a type this file multiplies: Q8_0, or Q6_K (which llama.cpp's x86
+ * code does not repack either). */
+bool is_supported_weight(const tensor *w) {
+    if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->view_src != nullptr) {
+        return false;
+    }
+    return (w->type == ggml_mirror::TYPE_Q8_0 && w->ne[0] % QK == 0) ||
+           (w->type == ggml_mirror::TYPE_Q6_K && w->ne[0] % QK_K == 0);
 }
 
 /* The activation rows of a matmul: src1's ne[1] x ne[2] x ne[3] rows of K floats. */
 int64_t activation_rows(const tensor *x) { return x->ne[1] * x->ne[2] * x->ne[3]; }
 
-/* Work buffer: the quantized rows (+128), their scales, and one row of floats per thread
- * to gather a row that is not contiguous. */
+/* Bytes of one activation row once quantized for the weight's type: Q8_0 bytes (+128) and
+ * their float scales, or ggml's Q8_K blocks. */
+size_t quantized_row_bytes(const tensor *w) {
+    const int64_t k = w->ne[0];
+    if (w->type == ggml_mirror::TYPE_Q6_K) {
+        return (size_t)(k / QK_K) * Q8_K_BLOCK_BYTES;
+    }
+    return (size_t)k + (size_t)(k / QK) * sizeof(float);
+}
+
+/* Work buffer: the quantized rows, and one row of floats per thread to gather a row that
+ * is not contiguous. */
 size_t work_bytes(int n_threads, const tensor *op) {
     const tensor *x = op->src[1];
-    const int64_t k = x->ne[0], rows = activation_rows(x);
-    return aligned((size_t)(rows * k)) + aligned((size_t)(rows * (k / QK)) * sizeof(float)) +
-           (size_t)n_threads * aligned((size_t)k * sizeof(float)) + ALIGN;
+    return aligned((size_t)activation_rows(x) * quantized_row_bytes(op->src[0])) +
+           (size_t)n_threads * aligned((size_t)x->ne[0] * sizeof(float)) + ALIGN;
 }
 
 #ifdef BUTTER_X86
@@ -262,27 +288,42 @@ const float *activation_row(const tensor *x, int64_t row, float *gather) {
     return gather;
 }
 
-/* dst = x * w^T, shared by the CPU backend's threads (each calls this with its ith). The
- * activations are quantized by all threads, then each thread computes its own tiles for
- * every row: a tile's weights stay in cache across the row passes. */
-VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
-    const tensor *w = dst->src[0];
-    const tensor *x = dst->src[1];
-    const int64_t k = w->ne[0], n = w->ne[1], rows = activation_rows(x);
-    const Layout layout(w, w->data);
-    const int64_t nb = layout.nb;
+/* One pass of R activation rows (from row r) over tile t of a Q8_0 matrix. */
+struct Q8Pass {
+    Q8Layout layout;
+    const uint8_t *xq; /* rows of k bytes (+128) */
+    const float *xd;   /* their block scales, k / 32 per row */
+    int64_t k;
 
-    uint8_t *xq = (uint8_t *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
-    float *xd = (float *)(xq + aligned((size_t)(rows * k)));
-    float *gather = (float *)((char *)xd + aligned((size_t)(rows * nb) * sizeof(float)) +
-                              (size_t)params->ith * aligned((size_t)k * sizeof(float)));
-    for (int64_t r = params->ith; r < rows; r += params->nth) {
-        q8_quantize_row(activation_row(x, r, gather), k, 128, xq + r * k, xd + r * nb);
+    VNNI_TARGET void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
+                                int lanes) const {
+        q8_tile_pass(layout.wq, layout.wd, layout.wsum, layout.nb, t, R, xq + r * k,
+                     xd + r * layout.nb, out, out_stride, lanes);
     }
-    ggml.barrier(params->threadpool);
+};
 
-    const int64_t first = layout.n_tiles * params->ith / params->nth;
-    const int64_t last = layout.n_tiles * (params->ith + 1) / params->nth;
+/* The same over a Q6_K matrix, the activations as ggml's Q8_K rows. */
+struct Q6Pass {
+    const uint8_t *w;
+    const uint8_t *xq;
+    int64_t nbk;
+    int64_t row_bytes;
+
+    VNNI_BW_TARGET void operator()(int64_t t, int64_t r, int R, float *out,
+                                   int64_t out_stride, int lanes) const {
+        q6_tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
+    }
+};
+
+/* This thread's share of the tiles, for every activation row: a tile's weights stay in
+ * cache across the passes of 8 rows. */
+template <class Pass>
+VNNI_TARGET void multiply_tiles(const ggml_mirror::compute_params *params, tensor *dst,
+                                int64_t rows, const Pass &pass) {
+    const tensor *x = dst->src[1];
+    const int64_t n = dst->src[0]->ne[1], n_tiles = (n + LANES - 1) / LANES;
+    const int64_t first = n_tiles * params->ith / params->nth;
+    const int64_t last = n_tiles * (params->ith + 1) / params->nth;
     for (int64_t t = first; t < last; t++) {
         const int lanes = (int)(n - t * LANES < LANES ? n - t * LANES : LANES);
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
@@ -294,19 +335,44 @@ VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
                 const int64_t slice = r0 / x->ne[1];
                 char *out = (char *)dst->data + i1 * dst->nb[1] +
                             slice % dst->ne[2] * dst->nb[2] + slice / dst->ne[2] * dst->nb[3];
-                q8_tile_pass(layout.wq, layout.wd, layout.wsum, nb, t, R, xq + r0 * k,
-                             xd + r0 * nb, (float *)out + t * LANES,
-                             (int64_t)(dst->nb[1] / sizeof(float)), lanes);
+                pass(t, r0, R, (float *)out + t * LANES, (int64_t)(dst->nb[1] / sizeof(float)),
+                     lanes);
                 continue;
             }
             for (int64_t r = r0; r < r0 + R; r++) {
                 const int64_t j1 = r % x->ne[1], slice = r / x->ne[1];
                 char *out = (char *)dst->data + j1 * dst->nb[1] +
                             slice % dst->ne[2] * dst->nb[2] + slice / dst->ne[2] * dst->nb[3];
-                q8_tile_pass(layout.wq, layout.wd, layout.wsum, nb, t, 1, xq + r * k,
-                             xd + r * nb, (float *)out + t * LANES, 0, lanes);
+                pass(t, r, 1, (float *)out + t * LANES, 0, lanes);
             }
         }
+    }
+}
+
+/* dst = x * w^T, shared by the CPU backend's threads (each calls this with its ith): the
+ * activations are quantized by all threads, then each multiplies its share of the tiles. */
+VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
+    const tensor *w = dst->src[0];
+    const tensor *x = dst->src[1];
+    const int64_t k = w->ne[0], rows = activation_rows(x);
+    uint8_t *xq = (uint8_t *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
+    float *gather = (float *)(xq + aligned((size_t)rows * quantized_row_bytes(w)) +
+                              (size_t)params->ith * aligned((size_t)k * sizeof(float)));
+    if (w->type == ggml_mirror::TYPE_Q6_K) {
+        const int64_t row_bytes = (int64_t)quantized_row_bytes(w);
+        for (int64_t r = params->ith; r < rows; r += params->nth) {
+            ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
+        }
+        ggml.barrier(params->threadpool);
+        multiply_tiles(params, dst, rows, Q6Pass{(const uint8_t *)w->data, xq, k / QK_K, row_bytes});
+    } else {
+        const int64_t nb = k / QK;
+        float *xd = (float *)(xq + rows * k); /* (k is a multiple of 32: 4-byte aligned) */
+        for (int64_t r = params->ith; r < rows; r += params->nth) {
+            q8_quantize_row(activation_row(x, r, gather), k, 128, xq + r * k, xd + r * nb);
+        }
+        ggml.barrier(params->threadpool);
+        multiply_tiles(params, dst, rows, Q8Pass{Q8Layout(w, w->data), xq, xd, k});
     }
     if (params->ith == 0) {
         matmuls.fetch_add(1, std::memory_order_relaxed);
@@ -316,7 +382,7 @@ VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
 
 #endif /* BUTTER_X86 */
 
-class Q8Traits : public ggml_mirror::tensor_traits {
+class Traits : public ggml_mirror::tensor_traits {
     bool work_size(int n_threads, const tensor *op, size_t &size) override {
         size = work_bytes(n_threads, op);
         return true;
@@ -335,16 +401,16 @@ class Q8Traits : public ggml_mirror::tensor_traits {
     }
 };
 
-Q8Traits q8_traits;
+Traits traits;
 
-class Q8BufferType : public ggml_mirror::extra_buffer_type {
+class TileBufferType : public ggml_mirror::extra_buffer_type {
     /* Asked at load (the weight has no data yet: may it live here?) and when the graph is
      * scheduled (it lives here: can this op run on it?). */
     bool supports_op(void *dev, const tensor *op) override {
         (void)dev;
         const tensor *w = op->src[0];
         const tensor *x = op->src[1];
-        if (op->op != ggml_mirror::OP_MUL_MAT || !is_plain_q8_0_weight(w) || x == nullptr ||
+        if (op->op != ggml_mirror::OP_MUL_MAT || !is_supported_weight(w) || x == nullptr ||
             x->type != ggml_mirror::TYPE_F32) {
             return false;
         }
@@ -376,29 +442,38 @@ void fail(const char *what) {
 
 int init_tensor(backend_buffer *buffer, tensor *t) {
     (void)buffer;
-    t->extra = &q8_traits;
+    t->extra = &traits;
     return ggml_mirror::STATUS_SUCCESS;
+}
+
+size_t tiled_bytes(const tensor *t) {
+    return t->type == ggml_mirror::TYPE_Q6_K ? q6_bytes(t) : Q8Layout(t, nullptr).bytes();
 }
 
 void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offset,
                 size_t size) {
     (void)buffer;
-    if (!is_plain_q8_0_weight(t)) {
-        fail("a tensor that is not a plain 2-D Q8_0 matrix was stored");
+    if (!is_supported_weight(t)) {
+        fail("a tensor that is not a plain 2-D Q8_0 or Q6_K matrix was stored");
     }
     if (offset != 0 || size != ggml.nbytes(t)) {
         fail("a weight was stored in parts");
     }
-    const Layout layout(t, t->data);
-    q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
-                  layout.wsum);
-    matrices.fetch_add(1, std::memory_order_relaxed);
-    packed_bytes.fetch_add((int64_t)layout.bytes(), std::memory_order_relaxed);
+    if (t->type == ggml_mirror::TYPE_Q6_K) {
+        q6_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
+        q6_k_matrices.fetch_add(1, std::memory_order_relaxed);
+    } else {
+        const Q8Layout layout(t, t->data);
+        q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
+                      layout.wsum);
+        q8_0_matrices.fetch_add(1, std::memory_order_relaxed);
+    }
+    packed_bytes.fetch_add((int64_t)tiled_bytes(t), std::memory_order_relaxed);
 }
 
 const char *get_name(backend_buffer_type *buft) {
     (void)buft;
-    return "BUTTER_Q8_0";
+    return "BUTTER_TILES";
 }
 
 backend_buffer *alloc_buffer(backend_buffer_type *buft, size_t size) {
@@ -426,21 +501,18 @@ size_t get_alignment(backend_buffer_type *buft) {
 
 size_t get_alloc_size(backend_buffer_type *buft, const tensor *t) {
     (void)buft;
-    if (!is_plain_q8_0_weight(t)) {
-        return ggml.nbytes(t);
-    }
-    return Layout(t, nullptr).bytes();
+    return is_supported_weight(t) ? tiled_bytes(t) : ggml.nbytes(t);
 }
 
-Q8BufferType q8_buffer_type_context;
+TileBufferType tile_buffer_type_context;
 
-backend_buffer_type q8_buffer_type = {
+backend_buffer_type tile_buffer_type = {
     {get_name, alloc_buffer, get_alignment, nullptr, get_alloc_size, nullptr},
     nullptr, /* the CPU device, set at registration */
-    &q8_buffer_type_context,
+    &tile_buffer_type_context,
 };
 
-backend_buffer_type *buffer_type() { return &q8_buffer_type; }
+backend_buffer_type *buffer_type() { return &tile_buffer_type; }
 
 }  // namespace
 
@@ -449,15 +521,16 @@ extern "C" {
 int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_VERSION; }
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
- * the F32 and Q8_0 type numbers, the MUL_MAT op number. */
+ * the F32, Q8_0 and Q6_K type numbers, the MUL_MAT op number. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 4 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 5 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
     out[1] = ggml_mirror::TYPE_F32;
     out[2] = ggml_mirror::TYPE_Q8_0;
-    out[3] = ggml_mirror::OP_MUL_MAT;
+    out[3] = ggml_mirror::TYPE_Q6_K;
+    out[4] = ggml_mirror::OP_MUL_MAT;
     return BUTTER_OK;
 }
 
@@ -475,9 +548,10 @@ int32_t butter_layer_matmul_supported(void) { return kernel_runs() ? 1 : 0; }
  * before llama.cpp first lists them, which it does at its first model load). */
 int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_type,
                                      void *buft_alloc_buffer, void *buft_is_host,
-                                     void *barrier, void *nbytes, void *cpu_device) {
+                                     void *barrier, void *nbytes, void *quantize_row_q8_k,
+                                     void *cpu_device) {
     if (!extra_buffer_types || !cpu_buffer_type || !buft_alloc_buffer || !buft_is_host ||
-        !barrier || !nbytes || !cpu_device) {
+        !barrier || !nbytes || !quantize_row_q8_k || !cpu_device) {
         return BUTTER_E_ARGUMENT;
     }
     if (registered) {
@@ -493,31 +567,33 @@ int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_
     ggml.buft_is_host = (bool (*)(backend_buffer_type *))buft_is_host;
     ggml.barrier = (void (*)(void *))barrier;
     ggml.nbytes = (size_t(*)(const tensor *))nbytes;
-    q8_buffer_type.device = cpu_device;
-    ggml.extra_buffer_types().push_back(&q8_buffer_type);
+    ggml.quantize_row_q8_k = (void (*)(const float *, void *, int64_t))quantize_row_q8_k;
+    tile_buffer_type.device = cpu_device;
+    ggml.extra_buffer_types().push_back(&tile_buffer_type);
     registered = true;
     return BUTTER_OK;
 }
 
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
-void *butter_layer_matmul_buffer_type(void) { return registered ? &q8_buffer_type : nullptr; }
+void *butter_layer_matmul_buffer_type(void) { return registered ? &tile_buffer_type : nullptr; }
 
-/* Whether the next model loads may place Q8_0 weights here. */
+/* Whether the next model loads may place their layers' Q8_0 and Q6_K weights here. */
 int32_t butter_layer_matmul_accept(int32_t accept) {
     accepting.store(accept != 0);
     return BUTTER_OK;
 }
 
-/* Matrices stored here and their bytes (since the process started), matmuls computed here
- * and their activation rows. */
+/* Matrices stored here (Q8_0, Q6_K) and their bytes, since the process started; matmuls
+ * computed here and their activation rows. */
 int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     if (out == nullptr || out_bytes < COUNTERS * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
-    out[0] = matrices.load();
-    out[1] = packed_bytes.load();
-    out[2] = matmuls.load();
-    out[3] = matmul_rows.load();
+    out[0] = q8_0_matrices.load();
+    out[1] = q6_k_matrices.load();
+    out[2] = packed_bytes.load();
+    out[3] = matmuls.load();
+    out[4] = matmul_rows.load();
     return BUTTER_OK;
 }
 
@@ -525,7 +601,7 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
 
 static struct PyModuleDef layer_matmul_module = {
     PyModuleDef_HEAD_INIT, "_layer_matmul",
-    "butter's Q8_0 layer matmuls for llama.cpp (loaded with ctypes, see "
+    "butter's Q8_0 and Q6_K layer matmuls for llama.cpp (loaded with ctypes, see "
     "butter/backends/llama_cpp/layer_matmul.py)",
     -1, NULL, NULL, NULL, NULL, NULL,
 };

@@ -1,11 +1,12 @@
-"""butter's Q8_0 layer matmuls inside llama.cpp (the kernel is butter/native/layer_matmul.cpp).
+"""butter's Q8_0 and Q6_K layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp).
 
 With several sequences decoding at once, every layer matrix is multiplied by 2-8 rows per
-step, and for Q8_0 matrices llama.cpp's x86 code has only its generic path for that, far
-below what the cores can do. The native library adds a buffer type to llama.cpp's CPU
-backend, the way llama.cpp's own repacked kernels plug in: at load, plain 2-D Q8_0 weights
-are stored there in butter's tile layout, and their matmuls then run butter's AVX512-VNNI
-kernel on llama.cpp's own threads. Any other weight, type or op stays with llama.cpp.
+step, and for Q8_0 and Q6_K matrices llama.cpp's x86 code has only generic paths for that,
+far below what the cores can do. The native library adds a buffer type to llama.cpp's CPU
+backend, the way llama.cpp's own repacked kernels plug in: at load, a layer's plain 2-D
+Q8_0 and Q6_K weights are stored there in butter's tile layout, and their matmuls then run
+butter's AVX512-VNNI kernels on llama.cpp's own threads. Any other weight, type or op stays
+with llama.cpp.
 
 It applies where: the extension is built, the CPU has AVX512-VNNI, llama.cpp runs on the
 CPU, its extra buffer types are on (they are off with `--deterministic`), and the ggml
@@ -35,18 +36,19 @@ _P = ctypes.c_void_p
 _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 1
+ABI_VERSION = 2
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
     "butter_layer_matmul_supported": (_I32, []),
-    "butter_layer_matmul_register": (_I32, [_P, _P, _P, _P, _P, _P, _P]),
+    "butter_layer_matmul_register": (_I32, [_P, _P, _P, _P, _P, _P, _P, _P]),
     "butter_layer_matmul_buffer_type": (_P, []),
     "butter_layer_matmul_accept": (_I32, [_I32]),
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
 }
 OK, DECLINED = 0, 1
-COUNTERS = 4  # matrices stored, their bytes, matmuls run, their activation rows
+COUNTERS = 5  # Q8_0 and Q6_K matrices stored, their bytes, matmuls run, their rows
+MIRRORED = 5  # butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, MUL_MAT
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -60,10 +62,15 @@ class Unavailable(Exception):
 
 @attrs.frozen
 class Counters:
-    matrices: int
+    q8_0_matrices: int
+    q6_k_matrices: int
     packed_bytes: int
     matmuls: int
     rows: int
+
+    @property
+    def matrices(self) -> int:
+        return self.q8_0_matrices + self.q6_k_matrices
 
 
 class LayerMatmul:
@@ -82,7 +89,8 @@ class LayerMatmul:
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
-        """While loading a model: whether its Q8_0 weights may be stored in butter's layout."""
+        """While loading a model: whether its layers' Q8_0 and Q6_K weights may be stored in
+        butter's layout."""
         with self._loading:
             self._lib.butter_layer_matmul_accept(int(accept))
             try:
@@ -151,9 +159,9 @@ def _ggml_libraries() -> tuple[Any, Any]:
 
 def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
-    mirror = (ctypes.c_int64 * 4)()
+    mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, mul_mat = (int(v) for v in mirror)
+    tensor_bytes, f32, q8_0, q6_k, mul_mat = (int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -162,12 +170,13 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "tensor size": int(base.ggml_tensor_overhead()) - GGML_OBJECT_BYTES,
         "type F32": base.ggml_type_name(f32),
         "type Q8_0": base.ggml_type_name(q8_0),
+        "type Q6_K": base.ggml_type_name(q6_k),
         "op MUL_MAT": base.ggml_op_name(mul_mat),
         "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
             cpu.ggml_backend_cpu_buffer_type()),
     }
     expected = {
-        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
+        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0", "type Q6_K": b"q6_K",
         "op MUL_MAT": b"MUL_MAT", "CPU buffer type": b"CPU",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
@@ -203,7 +212,7 @@ def _register() -> LayerMatmul:
         raise Unavailable("a GPU build of llama.cpp")
     lib = _library()
     if not lib.butter_layer_matmul_supported():
-        raise Unavailable("this CPU has no AVX512-VNNI")
+        raise Unavailable("this CPU lacks AVX512-VNNI or AVX512BW")
     base, cpu = _ggml_libraries()
     _check_mirror(lib, base, cpu)
     device = _cpu_device(base, cpu)
@@ -214,10 +223,11 @@ def _register() -> LayerMatmul:
         ctypes.cast(base.ggml_backend_buft_is_host, _P),
         ctypes.cast(cpu.ggml_barrier, _P),
         ctypes.cast(base.ggml_nbytes, _P),
+        ctypes.cast(cpu.quantize_row_q8_K, _P),
     ]
     status = lib.butter_layer_matmul_register(*functions, device)
     if status == DECLINED:
-        raise Unavailable("this CPU has no AVX512-VNNI")
+        raise Unavailable("this CPU lacks AVX512-VNNI or AVX512BW")
     if status != OK:
         raise Unavailable(f"registration failed (status {status})")
     if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):

@@ -305,8 +305,8 @@ def relative_rms_error(ours: Any, theirs: Any) -> float:
 
 
 def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str]:
-    """llama.cpp's model, and who computes its Q8_0 layer matmuls: "butter (N matrices)",
-    or "llama.cpp (why)" (layer_matmul.py)."""
+    """llama.cpp's model, and who computes its Q8_0 and Q6_K layer matmuls: "butter (what
+    it took)", or "llama.cpp (why)" (layer_matmul.py)."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = repack  # weight repacking: see MIN_PROMPT_ROWS
     try:
@@ -320,13 +320,16 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
         why_not = "--deterministic turns llama.cpp's extra buffer types off"
     if kernel is None or why_not:
         return _load_llama_model(path, params), f"llama.cpp ({why_not})"
-    before = kernel.counters().matrices
+    before = kernel.counters()
     with kernel.accepting(True):
         model = _load_llama_model(path, params)
-    stored = kernel.counters().matrices - before
-    if stored == 0:
-        return model, "llama.cpp (no plain Q8_0 layer matrices)"
-    return model, f"butter (AVX512-VNNI; {stored} Q8_0 matrices)"
+    after = kernel.counters()
+    stored = {"Q8_0": after.q8_0_matrices - before.q8_0_matrices,
+              "Q6_K": after.q6_k_matrices - before.q6_k_matrices}
+    if not any(stored.values()):
+        return model, "llama.cpp (no Q8_0 or Q6_K layer matrices)"
+    counts = " + ".join(f"{n} {name}" for name, n in stored.items() if n)
+    return model, f"butter (AVX512-VNNI; {counts} matrices)"
 
 
 def _load_llama_model(path: Path, params: Any) -> Any:

@@ -1,0 +1,182 @@
+/*
+ * Q6_K matrices laid out for AVX512-VNNI (the layer matmuls of layer_matmul.cpp).
+ *
+ * Q6_K stores 256 weights per block as 6-bit values q (0..63) in two arrays (the low 4 bits
+ * in `ql`, the high 2 bits in `qh`), one int8 scale per 16 weights and an fp16 block scale
+ * d: weight = d * scale * (q - 32). Laid out like the Q8_0 tiles (q8_0_tiles.h), 16 matrix
+ * rows side by side, so one 512-bit register holds 4 consecutive columns of 16 rows and one
+ * `vpdpbusd` multiplies them by 4 bytes of an activation row. The values stay 6-bit in
+ * memory, the same 210 bytes per block and row as the file: for each tile and block, 16
+ * chunks of 192 bytes, one per scale group j (16 columns), read in order,
+ *
+ *   64 bytes: groups 4j (low nibbles) and 4j+1 (high nibbles),
+ *   64 bytes: groups 4j+2 and 4j+3, the same way,
+ *   64 bytes: the 2 high bits of groups 4j..4j+3 (bits 0-1, 2-3, 4-5, 6-7),
+ *
+ * then the scales (16 x 16 int8, [scale group][row]) and d (16 fp16, [row]). A group is 4
+ * consecutive columns of the 16 rows ([row][4 bytes], 64 bytes once unpacked); unpacking
+ * takes a few bitwise operations per group, shared by every activation row of the pass.
+ *
+ * Same arithmetic as llama.cpp's Q6_K dot product: the activations are ggml's own Q8_K
+ * (int8 per 256 with a float scale and sums per 16, from ggml's quantize_row_q8_K); each
+ * block's sum of scale * sum((q - 32) * x) is the exact integer llama.cpp forms, times the
+ * same two scales; only the float sums over blocks may differ in order.
+ */
+#ifndef BUTTER_Q6_K_TILES_H
+#define BUTTER_Q6_K_TILES_H
+
+#include "q8_0_tiles.h" /* LANES, ROWS_PER_PASS */
+
+#ifdef BUTTER_X86
+/* Unpacking the 6-bit values takes 16-bit shifts (AVX512BW). */
+#define VNNI_BW_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,f16c")))
+#endif
+
+#define QK_K 256                /* weights per K-quant block */
+#define Q6_K_BLOCK_BYTES 210    /* ql[128], qh[64], scales[16], fp16 d */
+#define Q8_K_BLOCK_BYTES 292    /* ggml's block_q8_K: float d, int8 qs[256], int16 bsums[16] */
+#define Q6_SCALE_GROUPS 16      /* 16 weights per scale */
+#define Q6_CHUNK 192            /* bytes per scale group and tile */
+#define Q6_TILE_VALUES (Q6_SCALE_GROUPS * Q6_CHUNK)
+#define Q6_TILE_SCALES 256
+#define Q6_TILE_BLOCK_BYTES (Q6_TILE_VALUES + Q6_TILE_SCALES + LANES * 2)
+
+/* A Q6_K block's 256 weights as their 6-bit values q (0..63), in column order, as ggml's
+ * dequantize_row_q6_K reads them: halves of 128, each from 64 bytes of `ql` (low nibbles,
+ * then high nibbles) and 32 of `qh` (2 bits for each quarter of 32). */
+static inline void q6_k_values(const uint8_t *block, uint8_t *q) {
+    for (int half = 0; half < 2; half++) {
+        const uint8_t *ql = block + half * 64, *qh = block + 128 + half * 32;
+        uint8_t *out = q + half * 128;
+        for (int l = 0; l < 32; l++) {
+            out[l] = (uint8_t)((ql[l] & 0xF) | ((qh[l] & 3) << 4));
+            out[l + 32] = (uint8_t)((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4));
+            out[l + 64] = (uint8_t)((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4));
+            out[l + 96] = (uint8_t)((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4));
+        }
+    }
+}
+
+/* Packs `n_rows` Q6_K rows of `nbk` blocks each, as stored in a GGUF, into whole tiles of
+ * Q6_TILE_BLOCK_BYTES per tile and block ([tile][block]). Rows past n_rows (up to a whole
+ * tile) are zero and compute to 0. */
+static inline void q6_tiles_pack(const uint8_t *rows, int64_t n_rows, int64_t nbk, uint8_t *dst) {
+    const int64_t n_tiles = (n_rows + LANES - 1) / LANES;
+    memset(dst, 0, (size_t)(n_tiles * nbk * Q6_TILE_BLOCK_BYTES));
+    uint8_t q[QK_K];
+    for (int64_t v = 0; v < n_rows; v++) {
+        const int64_t t = v / LANES;
+        const int lane = (int)(v % LANES);
+        for (int64_t b = 0; b < nbk; b++) {
+            const uint8_t *block = rows + (v * nbk + b) * Q6_K_BLOCK_BYTES;
+            uint8_t *tile = dst + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
+            q6_k_values(block, q);
+            for (int j = 0; j < Q6_SCALE_GROUPS; j++) { /* 4 groups of 4 columns */
+                uint8_t *chunk = tile + j * Q6_CHUNK + lane * 4;
+                const uint8_t *g = q + j * 16;
+                for (int i = 0; i < 4; i++) {
+                    chunk[i] = (uint8_t)((g[i] & 0xF) | (g[4 + i] & 0xF) << 4);
+                    chunk[64 + i] = (uint8_t)((g[8 + i] & 0xF) | (g[12 + i] & 0xF) << 4);
+                    chunk[128 + i] = (uint8_t)(g[i] >> 4 | (g[4 + i] >> 4) << 2 |
+                                               (g[8 + i] >> 4) << 4 | (g[12 + i] >> 4) << 6);
+                }
+                tile[Q6_TILE_VALUES + j * LANES + lane] = block[192 + j];
+            }
+            memcpy(tile + Q6_TILE_VALUES + Q6_TILE_SCALES + lane * 2, block + 208, 2);
+        }
+    }
+}
+
+#ifdef BUTTER_X86
+
+/* Tile t's 16 outputs for R activation rows (ggml block_q8_K rows, `x_stride` bytes
+ * apart), stored at out + r * out_stride; only the first `lanes` are stored. */
+VNNI_BW_TARGET static inline __attribute__((always_inline)) void
+q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_t *x,
+             int64_t x_stride, float *out, int64_t out_stride, int lanes) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high_bits = _mm512_set1_epi8(0x30);
+    __m512 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
+        const uint8_t *scales = tile + Q6_TILE_VALUES;
+        __m512i isum[ROWS_PER_PASS];
+        for (int r = 0; r < R; r++) {
+            isum[r] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
+            const uint8_t *chunk = tile + j * Q6_CHUNK;
+            /* the chunk a block ahead, so memory keeps streaming while this one computes */
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES), _MM_HINT_T0);
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 128), _MM_HINT_T0);
+            const __m512i l01 = _mm512_loadu_si512((const void *)chunk);
+            const __m512i l23 = _mm512_loadu_si512((const void *)(chunk + 64));
+            const __m512i h = _mm512_loadu_si512((const void *)(chunk + 128));
+            /* q = low nibble | (2 high bits << 4): A | (B & C) is ternary-logic 0xF8 */
+            const __m512i q0 = _mm512_ternarylogic_epi32(_mm512_and_si512(l01, nibble),
+                                                         _mm512_slli_epi16(h, 4), high_bits, 0xF8);
+            const __m512i q1 = _mm512_ternarylogic_epi32(
+                _mm512_and_si512(_mm512_srli_epi16(l01, 4), nibble), _mm512_slli_epi16(h, 2),
+                high_bits, 0xF8);
+            const __m512i q2 = _mm512_ternarylogic_epi32(_mm512_and_si512(l23, nibble), h,
+                                                         high_bits, 0xF8);
+            const __m512i q3 = _mm512_ternarylogic_epi32(
+                _mm512_and_si512(_mm512_srli_epi16(l23, 4), nibble), _mm512_srli_epi16(h, 2),
+                high_bits, 0xF8);
+            const __m512i scale = _mm512_cvtepi8_epi32(
+                _mm_loadu_si128((const __m128i *)(scales + j * LANES)));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
+                const uint8_t *qs = xb + 4 + j * 16;
+                int32_t x0, x1, x2, x3;
+                int16_t bsum;
+                memcpy(&x0, qs, 4);
+                memcpy(&x1, qs + 4, 4);
+                memcpy(&x2, qs + 8, 4);
+                memcpy(&x3, qs + 12, 4);
+                memcpy(&bsum, xb + 4 + QK_K + j * 2, 2);
+                __m512i dot = _mm512_dpbusd_epi32(_mm512_set1_epi32(-32 * (int32_t)bsum), q0,
+                                                  _mm512_set1_epi32(x0));
+                dot = _mm512_dpbusd_epi32(dot, q1, _mm512_set1_epi32(x1));
+                dot = _mm512_dpbusd_epi32(dot, q2, _mm512_set1_epi32(x2));
+                dot = _mm512_dpbusd_epi32(dot, q3, _mm512_set1_epi32(x3));
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
+            }
+        }
+        const __m512 wscale = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(scales + Q6_TILE_SCALES)));
+        for (int r = 0; r < R; r++) {
+            float xd;
+            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xd), wscale);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << lanes) - 1u);
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(out + r * out_stride, keep, acc[r]);
+    }
+}
+
+/* q6_tile_rows for any R from 1 to 8, each count compiled with its loops unrolled. */
+VNNI_BW_TARGET static inline void q6_tile_pass(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                            const uint8_t *x, int64_t x_stride, float *out,
+                                            int64_t out_stride, int lanes) {
+    switch (R) {
+    case 1: q6_tile_rows(w, nbk, t, 1, x, x_stride, out, out_stride, lanes); break;
+    case 2: q6_tile_rows(w, nbk, t, 2, x, x_stride, out, out_stride, lanes); break;
+    case 3: q6_tile_rows(w, nbk, t, 3, x, x_stride, out, out_stride, lanes); break;
+    case 4: q6_tile_rows(w, nbk, t, 4, x, x_stride, out, out_stride, lanes); break;
+    case 5: q6_tile_rows(w, nbk, t, 5, x, x_stride, out, out_stride, lanes); break;
+    case 6: q6_tile_rows(w, nbk, t, 6, x, x_stride, out, out_stride, lanes); break;
+    case 7: q6_tile_rows(w, nbk, t, 7, x, x_stride, out, out_stride, lanes); break;
+    default: q6_tile_rows(w, nbk, t, 8, x, x_stride, out, out_stride, lanes); break;
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+#endif /* BUTTER_Q6_K_TILES_H */
