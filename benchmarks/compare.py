@@ -607,15 +607,16 @@ def bench_server(name: str, cfg: BenchConfig, args: argparse.Namespace) -> Serve
 
 
 def butter_choices(base_url: str) -> list[str]:
-    """What butter chose by measurement while it ran (its /v1/server): the step shape per
-    number of decode rows, and which output projection computes the logits. The c=1 cells
-    move with the one-row choice, so a round should say which one served."""
+    """What butter chose while it ran (its /v1/server): the step shape per number of decode
+    rows, which output projection computes the logits, and who multiplies the layers' Q8_0
+    and Q6_K matrices. The c=1 cells move with the one-row choice, so a round should say
+    which one served."""
     try:
         meta = httpx.get(f"{base_url}/v1/server", timeout=10).json()["model"]["meta"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return ["/v1/server: unreadable after the run"]
     return [f"after the run: step shapes {meta.get('step_shapes')}, output projection "
-            f"{meta.get('lm_head')}"]
+            f"{meta.get('lm_head')}, layer matmuls {meta.get('layer_matmuls')}"]
 
 
 # ------------------------------------------------------------------- reports

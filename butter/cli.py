@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--fast-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="llama.cpp: butter computes the logits (the output projection) "
                             "with its AVX512-VNNI or AVX2 kernel where the CPU and the build "
-                            "allow (output matrices other than Q8_0 are requantized to Q8_0 "
-                            "at load), checked against llama.cpp's at load; "
+                            "allow (Q8_0 outputs, and Q6_K ones under AVX512-VNNI, in the "
+                            "file's bytes; other types requantized to Q8_0 at load), checked "
+                            "against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--fast-layers", action=argparse.BooleanOptionalAction, default=True,
                        help="llama.cpp: butter multiplies the layers' Q8_0 and Q6_K matrices "

@@ -518,7 +518,7 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
         backend.close()
 
 
-def _requantized_head_logits(path: Path) -> tuple[LlamaCppBackend, np.ndarray, np.ndarray]:
+def _head_logits(path: Path) -> tuple[LlamaCppBackend, np.ndarray, np.ndarray]:
     """A backend on `path` with butter's projection, and one probe's logits both ways."""
     theirs = _backend(path, fast=False)
     _, their_logits = _generate_greedy(theirs, ["Session 3 talks about boats"], steps=2)
@@ -530,20 +530,38 @@ def _requantized_head_logits(path: Path) -> tuple[LlamaCppBackend, np.ndarray, n
 
 @pytest.mark.parametrize("kind", ["F32", "F16", "Q6_K"])
 def test_an_output_matrix_of_another_type_is_requantized_to_q8_0(
-    tmp_path: Path, kind: str, tiny_q4_k_m_gguf: Path,
+    tmp_path: Path, kind: str, tiny_q4_k_m_gguf: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    if kind == "Q6_K":  # llama.cpp's Q4_K_M, as most downloaded GGUFs
-        path = tiny_q4_k_m_gguf
+    if kind == "Q6_K":  # llama.cpp's Q4_K_M, as most downloaded GGUFs: under the AVX2
+        path = tiny_q4_k_m_gguf  # kernel (the VNNI one reads Q6_K in its own bytes)
+        monkeypatch.setenv(ISA_VARIABLE, "avx2")
     else:
         f16 = kind == "F16"
         path = write_tiny_qwen3_gguf(tmp_path / "float.gguf", quantize=f16, f16_output=f16)
-    ours, our_logits, their_logits = _requantized_head_logits(path)
+    ours, our_logits, their_logits = _head_logits(path)
     try:
         assert ours.lm_head.endswith(f"; {kind} output requantized to Q8_0)")
         assert not ours.model.lm_head.exact and ours.stepper.ours
         error = llama_loading.relative_rms_error(our_logits, their_logits)
         # Both sides' rounding (~1%); a wrong layout would be ~100%.
         assert 0 < error < llama_loading.REQUANTIZED_TOLERANCE
+    finally:
+        ours.close()
+
+
+def test_a_q6_k_output_matrix_is_read_in_its_own_bytes(tiny_q4_k_m_gguf: Path) -> None:
+    """Under the VNNI kernel a Q6_K output matrix (Q4_K_M files) is not requantized: the
+    logits are llama.cpp's Q6_K arithmetic, to float rounding."""
+    ours, our_logits, their_logits = _head_logits(tiny_q4_k_m_gguf)
+    try:
+        head = ours.model.lm_head
+        assert head is not None
+        if head.isa != "AVX512-VNNI":
+            pytest.skip(f"the VNNI kernel does not run here ({ours.lm_head})")
+        assert ours.lm_head == "butter (AVX512-VNNI; Q6_K output)"
+        assert head.exact and ours.stepper.ours
+        scale = np.abs(their_logits).max()
+        np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-5 * scale)
     finally:
         ours.close()
 

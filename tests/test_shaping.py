@@ -19,6 +19,7 @@ from butter.backends.shaping import Shape, StepShaper, candidates, padded_output
 from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
+from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 from tests.conftest import ServerProcess
 
 # ------------------------------------------------------------------ the chooser (pure)
@@ -197,11 +198,18 @@ def test_decode_rows_beside_a_long_prompt_chunk_go_first_on_their_own(
     assert backend.model.batch.n_tokens == 2 + 16
 
 
+@pytest.fixture(scope="module")
+def tiny_f16_head_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with an F16 output matrix, which butter's projection requantizes."""
+    return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("f16") / "tiny-f16-head.gguf",
+                                 f16_output=True)
+
+
 @pytest.mark.parametrize("repack", [True, False], ids=["repacked", "deterministic"])
-def test_llama_head_rows_are_llama_cpps_own_logits(tiny_q4_k_m_gguf: Path, repack: bool
+def test_llama_head_rows_are_llama_cpps_own_logits(tiny_f16_head_gguf: Path, repack: bool
                                                    ) -> None:
     def load(fast: bool) -> LlamaCppBackend:
-        return LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=2048, n_seq=8, n_batch=256,
+        return LlamaCppBackend(tiny_f16_head_gguf, n_cells=2048, n_seq=8, n_batch=256,
                                threads=2, fast_lm_head=fast, repack=repack)
 
     ours, theirs = load(True), load(False)
@@ -209,7 +217,7 @@ def test_llama_head_rows_are_llama_cpps_own_logits(tiny_q4_k_m_gguf: Path, repac
         if not ours.lm_head.startswith("butter"):
             pytest.skip(f"butter's output projection does not apply here: {ours.lm_head}")
         # Offered only where both projections exist, exactness was not asked for, and
-        # butter's serves a requantized matrix (this file's output is Q6_K).
+        # butter's serves a requantized matrix (this file's output is F16).
         assert ours.shaper.head_choice is repack and theirs.shaper.head_choice is False
         logits = []
         for backend in (ours, theirs):

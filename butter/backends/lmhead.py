@@ -47,13 +47,14 @@ _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # The signatures below, the status codes and the ISA numbers are what this module and
 # lmhead.c agree on; BUTTER_LMHEAD_ABI_VERSION there names them. Change both together.
-ABI_VERSION = 2
+ABI_VERSION = 3
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_lmhead_supported": (_I32, []),
     "butter_lmhead_state_size": (_SIZE, []),
     "butter_lmhead_init": (_I32, [_P, _SIZE, _I64, _I64, _I64, _I32, _I32]),
     "butter_lmhead_set_ggml": (_I32, [_P, _P, _P, _P, _P, _P]),
     "butter_lmhead_pack": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _SIZE, _P, _SIZE]),
+    "butter_lmhead_pack_q6_k": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _P, _SIZE]),
     "butter_lmhead_set_scratch": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _SIZE]),
     "butter_lmhead_arm": (_I32, [_P, _I32]),
     "butter_lmhead_counters": (_I32, [_P, _P, _SIZE]),
@@ -77,7 +78,8 @@ COUNTERS = 4  # butter_lmhead_counters: armed, rows_done, calls, declined
 
 # The kernels in lmhead.c, by the number butter_lmhead_supported() returns (best last).
 ISA_NONE = 0
-ISA_NAMES = {1: "AVX2", 2: "AVX512-VNNI"}
+ISA_AVX2, ISA_AVX512_VNNI = 1, 2
+ISA_NAMES = {ISA_AVX2: "AVX2", ISA_AVX512_VNNI: "AVX512-VNNI"}
 # Forces a slower kernel than the CPU's best (for tests and benchmarks/lm_head.py), or
 # "none": no kernel, so the library declines and llama.cpp projects.
 ISA_VARIABLE = "BUTTER_LM_HEAD_ISA"
@@ -159,6 +161,19 @@ def _new_state(lib: Any) -> ctypes.Array[ctypes.c_uint64]:
     return (ctypes.c_uint64 * words)()
 
 
+def _ggml_cpu_quantize_q8_k() -> int:
+    """ggml's quantize_row_q8_K in the libggml-cpu llama.cpp loaded (the wheel's other
+    copies of the library are separate files: opening one would load a second instance)."""
+    try:
+        cpu = ctypes.CDLL("libggml-cpu.so.0", mode=os.RTLD_NOLOAD)
+    except OSError:
+        raise Unavailable("llama.cpp's CPU backend is not loaded as libggml-cpu.so.0") from None
+    address = ctypes.cast(cpu.quantize_row_q8_K, _P).value
+    if not address:
+        raise Unavailable("libggml-cpu has no quantize_row_q8_K")
+    return address
+
+
 def _ggml_base() -> Any:
     import llama_cpp
 
@@ -174,7 +189,10 @@ def _ggml_base() -> Any:
 # below what the file's own 4-6 bit quantization already removed, but no longer
 # llama.cpp's exact arithmetic, so these logits are checked against llama.cpp's with a
 # relative tolerance (REQUANTIZED_TOLERANCE) instead of float rounding's.
-F32, F16, BF16 = 0, 1, 30
+F32, F16, BF16, Q6_K = 0, 1, 30, 14
+QK_K = 256  # elements per K-quant block
+Q6_TILE_BLOCK_BYTES = 3360  # one tile's block in butter/native/q6_k_tiles.h
+Q8_K_BLOCK_BYTES = 292  # ggml's block_q8_K
 # ggml type -> (name ggml gives it, elements per block, bytes per block): the types whose
 # rows ggml can turn back into floats and whose layout this module knows.
 REQUANTIZABLE = {
@@ -293,9 +311,12 @@ class LmHead:
         raw, ggml_type, n_vocab, n_embd = _output_matrix(path)
         self.n_vocab, self.n_embd = n_vocab, n_embd
         self.source_type = ggml_type_name(ggml_type)
-        # Q8_0 is computed exactly as llama.cpp does; other types after a requantization.
-        self.exact = ggml_type == Q8_0
+        # Q8_0, and Q6_K under the VNNI kernel, are computed as llama.cpp does, from the
+        # file's bytes; other types after a requantization to Q8_0.
+        native_q6_k = ggml_type == Q6_K and isa == ISA_AVX512_VNNI and n_embd % QK_K == 0
+        self.exact = ggml_type == Q8_0 or native_q6_k
         self._threads = max(1, threads)
+        self.rows_asked = max_rows
         self.state = _new_state(self._lib)
         status = self._lib.butter_lmhead_init(
             self.state, ctypes.sizeof(self.state), n_vocab, n_embd, max_rows, self._threads, isa
@@ -304,9 +325,14 @@ class LmHead:
             raise Unavailable(why_not)
         self._setup("butter_lmhead_init", status)
         self.isa = ISA_NAMES[isa]
-        rows = raw if self.exact else _requantized_q8_0(ggml, raw, ggml_type, n_vocab, n_embd)
-        self._pack(rows)
-        del raw, rows  # the GGUF mapping (llama.cpp holds its own) and any requantized copy
+        if native_q6_k:
+            self._pack_q6_k(raw)
+        else:
+            rows = raw if self.exact else _requantized_q8_0(ggml, raw, ggml_type, n_vocab,
+                                                            n_embd)
+            self._pack(rows)
+            del rows  # any requantized copy
+        del raw  # the GGUF mapping (llama.cpp holds its own)
         self.stride = -(-n_vocab // LANES) * LANES  # logits per row in `out`, whole tiles
         self.out = np.zeros((max_rows, self.stride), dtype=np.float32)
         self._xq = np.zeros((max_rows, n_embd), dtype=np.uint8)
@@ -335,6 +361,17 @@ class LmHead:
         self._setup("butter_lmhead_pack", self._lib.butter_lmhead_pack(
             self.state, *_buffer(rows), *_buffer(self._wq), *_buffer(self._wd),
             *_buffer(self._wsum),
+        ))
+
+    def _pack_q6_k(self, rows: npt.NDArray[np.uint8]) -> None:
+        rows = np.ascontiguousarray(rows, dtype=np.uint8)
+        blocks = self.n_embd // QK_K
+        self._w6 = np.empty(-(-self.n_vocab // LANES) * blocks * Q6_TILE_BLOCK_BYTES,
+                            dtype=np.uint8)
+        self._xk = np.zeros((self.rows_asked, blocks * Q8_K_BLOCK_BYTES), dtype=np.uint8)
+        self._setup("butter_lmhead_pack_q6_k", self._lib.butter_lmhead_pack_q6_k(
+            self.state, *_buffer(rows), *_buffer(self._w6), _ggml_cpu_quantize_q8_k(),
+            *_buffer(self._xk),
         ))
 
     def _set_ggml(self, ggml: Any) -> None:

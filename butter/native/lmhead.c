@@ -48,11 +48,12 @@
 #include <omp.h>
 #endif
 
+#include "q6_k_tiles.h" /* Q6_K output matrices, kept in their own bytes */
 #include "q8_0_tiles.h" /* the tile layout, the activation quantizer, the VNNI kernel */
 
 /* Bump with any change to an exported signature, status code, ISA number or the order of
  * butter_lmhead_counters. */
-#define BUTTER_LMHEAD_ABI_VERSION 2
+#define BUTTER_LMHEAD_ABI_VERSION 3
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -88,6 +89,10 @@ typedef struct {
     const int8_t *wq;     /* [tile][block][group][lane][4] */
     const uint16_t *wd;   /* [tile][block][lane] fp16 block scales */
     const int16_t *wsum;  /* [tile][block][lane] sum of the block's 32 weights */
+    /* or a Q6_K matrix (butter_lmhead_pack_q6_k), in q6_k_tiles.h's layout */
+    const uint8_t *w6;
+    uint8_t *xk;          /* [max_rows][n_embd / 256] activations as ggml's Q8_K blocks */
+    void (*quantize_q8_k)(const float *x, void *y, int64_t k); /* ggml's quantize_row_q8_K */
     int64_t n_tiles;
     int64_t n_embd;
     int64_t n_vocab;
@@ -116,7 +121,8 @@ int32_t butter_lmhead_supported(void) {
     /* Both kernels quantize the activations with AVX2/FMA/F16C code. */
     const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                       __builtin_cpu_supports("f16c");
-    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vnni")) {
+    if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni")) {
         return ISA_AVX512_VNNI;
     }
     if (avx2) {
@@ -273,6 +279,35 @@ int32_t butter_lmhead_pack(butter_lmhead *s, const uint8_t *rows, size_t rows_by
     return BUTTER_OK;
 }
 
+/* A Q6_K output matrix as stored in a GGUF ([n_vocab][n_embd / 256] blocks of 210 bytes),
+ * into `w6` (q6_k_tiles.h's layout: n_tiles * (n_embd / 256) * Q6_TILE_BLOCK_BYTES bytes),
+ * which the state then projects with instead of Q8_0 tiles: the file's own bytes, so the
+ * logits are llama.cpp's arithmetic. The activations become ggml's Q8_K, by ggml's own
+ * `quantize_q8_k` (quantize_row_q8_K), in `xk` (max_rows * (n_embd / 256) * 292 bytes).
+ * Only the AVX512-VNNI kernel has this layout: under any other, BUTTER_E_STATE. */
+int32_t butter_lmhead_pack_q6_k(butter_lmhead *s, const uint8_t *rows, size_t rows_bytes,
+                                uint8_t *w6, size_t w6_bytes,
+                                void (*quantize_q8_k)(const float *, void *, int64_t),
+                                uint8_t *xk, size_t xk_bytes) {
+    if (!initialized(s) || s->isa != ISA_AVX512_VNNI) {
+        return BUTTER_E_STATE;
+    }
+    if (!rows || !w6 || !quantize_q8_k || !xk || s->n_embd % QK_K != 0) {
+        return BUTTER_E_ARGUMENT;
+    }
+    const int64_t nbk = s->n_embd / QK_K;
+    if (!holds(rows_bytes, s->n_vocab * nbk, Q6_K_BLOCK_BYTES) ||
+        !holds(w6_bytes, s->n_tiles * nbk, Q6_TILE_BLOCK_BYTES) ||
+        !holds(xk_bytes, s->max_rows * nbk, Q8_K_BLOCK_BYTES)) {
+        return BUTTER_E_SHORT;
+    }
+    q6_tiles_pack(rows, s->n_vocab, nbk, w6);
+    s->w6 = w6;
+    s->xk = xk;
+    s->quantize_q8_k = quantize_q8_k;
+    return BUTTER_OK;
+}
+
 /* llama.cpp's sampler input: {id, logit, p} for every token. */
 typedef struct {
     int32_t id;
@@ -368,6 +403,17 @@ VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_
     }
 }
 
+VNNI_BW_TARGET static void project_pass_q6(const butter_lmhead *s, int R, const uint8_t *xk,
+                                           float *out) {
+    const int64_t nbk = s->n_embd / QK_K;
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        q6_tile_pass(s->w6, nbk, t, R, xk, nbk * Q8_K_BLOCK_BYTES, out + t * LANES, stride,
+                     LANES);
+    }
+}
+
 /* The AVX2 kernel: the same tiles, 8 vocabulary rows per 256-bit half. Without VNNI,
  * products go through maddubs (unsigned x signed bytes into saturating 16-bit pairs), so
  * it uses ggml's sign trick instead of the +128 offset: |w| times x with w's sign. In this
@@ -446,6 +492,19 @@ static void project_rows(butter_lmhead *s, const float *x, int64_t rows, int64_t
 #ifdef BUTTER_X86
     const int64_t nb = blocks_per_row(s);
     const int64_t stride = out_stride(s);
+    if (s->w6 != NULL) {
+        const int64_t row_bytes = s->n_embd / QK_K * Q8_K_BLOCK_BYTES;
+        uint8_t *xk = s->xk + first * row_bytes;
+        for (int64_t r = 0; r < rows; r++) {
+            s->quantize_q8_k(x + r * s->n_embd, xk + r * row_bytes, s->n_embd);
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
+            const int64_t left = rows - r0;
+            const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
+            project_pass_q6(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+        }
+        return;
+    }
     uint8_t *xq = s->xq + first * s->n_embd;
     float *xd = s->xd + first * nb;
     float *out = s->out + first * stride;
@@ -467,7 +526,7 @@ static void project_rows(butter_lmhead *s, const float *x, int64_t rows, int64_t
 
 /* Whether the state has its weights and scratch buffers (checked when handed over). */
 static bool can_project(const butter_lmhead *s) {
-    return s->wq != NULL && s->out != NULL;
+    return (s->wq != NULL || s->w6 != NULL) && s->out != NULL;
 }
 
 /* Logits of `rows` hidden states (`x`, f32, n_embd each, `x_bytes` in all) into rows

@@ -360,6 +360,8 @@ def _load_lm_head(
         return None, f"llama.cpp (butter's failed to load: {exc!r})"
     if head.n_vocab != n_vocab:
         return None, f"llama.cpp (the output matrix has {head.n_vocab} rows, not {n_vocab})"
-    if head.exact:
+    if head.exact and head.source_type == "Q8_0":
         return head, f"butter ({head.isa})"
+    if head.exact:  # read in the file's own type
+        return head, f"butter ({head.isa}; {head.source_type} output)"
     return head, f"butter ({head.isa}; {head.source_type} output requantized to Q8_0)"
