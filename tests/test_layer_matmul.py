@@ -29,6 +29,7 @@ from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.testing.tiny_gguf import N_LAYER, write_tiny_qwen3_gguf
+from tests.backend_steps import generate_greedy, last_prompt_logits
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
 
@@ -101,7 +102,7 @@ def test_the_graph_multiplies_those_matrices_with_the_kernel(tiny_gguf: Path) ->
     backend = _backend(tiny_gguf, fast_layers=True)
     try:
         before = kernel.counters()
-        _generate_greedy(backend, PROMPTS[:3], steps=4)
+        generate_greedy(backend, PROMPTS[:3], steps=4)
         done = _since(before, kernel.counters())
         assert done.matrices == 0
         # every evaluation multiplies each matrix once, for every row of its batch
@@ -112,27 +113,6 @@ def test_the_graph_multiplies_those_matrices_with_the_kernel(tiny_gguf: Path) ->
         assert done.rows >= first_layer * (prompt_rows + 3 * 4)
     finally:
         backend.close()
-
-
-def _generate_greedy(backend: LlamaCppBackend, prompts: list[str], steps: int
-                     ) -> tuple[dict[int, list[int]], np.ndarray]:
-    """Greedy tokens of every prompt decoded side by side, and the first step's logits."""
-    seqs = range(len(prompts))
-    tokens = {seq: backend.tokenize(prompts[seq], add_bos=True) for seq in seqs}
-    ops = [RemoveTokens(seq, 0) for seq in seqs]
-    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
-    sampled = backend.step(ops, [SeqWork(seq, tuple(tokens[seq]), 0, sample=True, prompt=True)
-                                 for seq in seqs])
-    batch = backend.model.batch
-    first = np.stack([backend.step_logits(row) for row in range(batch.n_tokens)
-                      if batch.logits[row]])
-    out = {s.seq: [s.token] for s in sampled}
-    for _ in range(steps):
-        works = [SeqWork(seq, (out[seq][-1],), len(tokens[seq]) + len(out[seq]) - 1,
-                         sample=True) for seq in seqs]
-        for s in backend.step([], works):
-            out[s.seq].append(s.token)
-    return out, first
 
 
 @pytest.fixture(scope="module")
@@ -259,20 +239,6 @@ def test_each_product_is_llama_cpps_to_float_rounding(
         np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6 * scale)
 
 
-def _last_prompt_logits(backend: LlamaCppBackend, first: list[int] | None,
-                        prompt: list[int]) -> np.ndarray:
-    """`prompt`'s last logits evaluated cold in one step, after another sequence's prompt
-    `first` in the same step when given."""
-    ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
-    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in (0, 1)]
-    works = [SeqWork(0, tuple(prompt), 0, sample=True, prompt=True)]
-    if first is not None:
-        works.insert(0, SeqWork(1, tuple(first), 0, sample=True, prompt=True))
-    backend.step(ops, works)
-    row = (len(first) if first is not None else 0) + len(prompt) - 1
-    return np.asarray(backend.step_logits(row))
-
-
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tiny_gguf: Path) -> None:
     _kernel_or_skip()
     backend = _backend(tiny_gguf, fast_layers=True)
@@ -280,8 +246,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tiny_gguf: Path) ->
         assert backend.model.layers_by.startswith("butter")
         prompt = backend.tokenize(PROMPTS[0], add_bos=False)
         other = backend.tokenize(PROMPTS[1], add_bos=False)
-        alone = _last_prompt_logits(backend, None, prompt)
-        beside = _last_prompt_logits(backend, other, prompt)
+        alone = last_prompt_logits(backend, None, prompt)
+        beside = last_prompt_logits(backend, other, prompt)
         np.testing.assert_array_equal(alone, beside)
     finally:
         backend.close()

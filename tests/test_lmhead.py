@@ -37,6 +37,7 @@ from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
+from tests.backend_steps import generate_greedy
 
 
 def _head_or_skip(path: Path, *, max_rows: int = 16) -> LmHead:
@@ -447,27 +448,6 @@ def demo_pair(demo_gguf: Path) -> Iterator[tuple[LlamaCppBackend, LlamaCppBacken
     theirs.close()
 
 
-def _generate_greedy(backend: LlamaCppBackend, prompts: list[str], steps: int
-                     ) -> tuple[dict[int, list[int]], np.ndarray]:
-    """Greedy tokens of every prompt decoded side by side, and the first step's logits."""
-    seqs = range(len(prompts))
-    tokens = {seq: backend.tokenize(prompts[seq], add_bos=True) for seq in seqs}
-    ops = [RemoveTokens(seq, 0) for seq in seqs]
-    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
-    sampled = backend.step(ops, [SeqWork(seq, tuple(tokens[seq]), 0, sample=True, prompt=True)
-                                 for seq in seqs])
-    batch = backend.model.batch
-    first_rows = [row for row in range(batch.n_tokens) if batch.logits[row]]
-    first = np.stack([backend.step_logits(row) for row in first_rows])
-    out = {s.seq: [s.token] for s in sampled}
-    for _ in range(steps):
-        works = [SeqWork(seq, (out[seq][-1],), len(tokens[seq]) + len(out[seq]) - 1,
-                         sample=True) for seq in seqs]
-        for s in backend.step([], works):
-            out[s.seq].append(s.token)
-    return out, first
-
-
 def test_demo_model_logits_and_greedy_tokens_match_llama_cpp(
     demo_pair: tuple[LlamaCppBackend, LlamaCppBackend],
 ) -> None:
@@ -475,8 +455,8 @@ def test_demo_model_logits_and_greedy_tokens_match_llama_cpp(
     assert ours.lm_head.startswith("butter") and theirs.lm_head.startswith("llama.cpp")
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,",
                "1, 2, 3, 4,"]
-    our_tokens, our_logits = _generate_greedy(ours, prompts, steps=24)
-    their_tokens, their_logits = _generate_greedy(theirs, prompts, steps=24)
+    our_tokens, our_logits = generate_greedy(ours, prompts, steps=24)
+    their_tokens, their_logits = generate_greedy(theirs, prompts, steps=24)
     assert ours.stepper.ours and not theirs.stepper.ours  # whose logits each one sampled
     scale = np.abs(their_logits).max()
     np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
@@ -486,13 +466,13 @@ def test_demo_model_logits_and_greedy_tokens_match_llama_cpp(
 def test_the_avx2_kernel_serves_a_backend(tiny_gguf: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     theirs = _backend(tiny_gguf, fast=False)
-    reference, their_logits = _generate_greedy(theirs, ["Session 2 talks about boats"], steps=8)
+    reference, their_logits = generate_greedy(theirs, ["Session 2 talks about boats"], steps=8)
     theirs.close()
     monkeypatch.setenv(ISA_VARIABLE, "avx2")
     ours = _backend(tiny_gguf, fast=True)
     try:
         assert ours.lm_head == "butter (AVX2)"
-        tokens, our_logits = _generate_greedy(ours, ["Session 2 talks about boats"], steps=8)
+        tokens, our_logits = generate_greedy(ours, ["Session 2 talks about boats"], steps=8)
         assert tokens == reference and ours.stepper.ours
         scale = np.abs(their_logits).max()
         np.testing.assert_allclose(our_logits, their_logits, rtol=0, atol=1e-4 * scale)
@@ -506,13 +486,13 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
     _head_or_skip(tiny_gguf)  # (only meaningful where the projection applies)
     monkeypatch.setattr(llama_loading, "LM_HEAD_TOLERANCE", -1.0)  # nothing can pass
     backend = _backend(tiny_gguf, fast=False)
-    reference, _ = _generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
+    reference, _ = generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
     backend.close()
     backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=4, n_batch=256, threads=2)
     try:
         assert backend.model.lm_head is None
         assert backend.lm_head.startswith("llama.cpp (self-check failed: its logits differ")
-        tokens, _ = _generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
+        tokens, _ = generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
         assert tokens == reference and not backend.stepper.ours
     finally:
         backend.close()
@@ -521,10 +501,10 @@ def test_a_failed_self_check_leaves_the_logits_to_llama_cpp(
 def _head_logits(path: Path) -> tuple[LlamaCppBackend, np.ndarray, np.ndarray]:
     """A backend on `path` with butter's projection, and one probe's logits both ways."""
     theirs = _backend(path, fast=False)
-    _, their_logits = _generate_greedy(theirs, ["Session 3 talks about boats"], steps=2)
+    _, their_logits = generate_greedy(theirs, ["Session 3 talks about boats"], steps=2)
     theirs.close()
     ours = _backend(path, fast=True)
-    _, our_logits = _generate_greedy(ours, ["Session 3 talks about boats"], steps=2)
+    _, our_logits = generate_greedy(ours, ["Session 3 talks about boats"], steps=2)
     return ours, our_logits, their_logits
 
 
@@ -670,11 +650,11 @@ def test_a_step_split_into_micro_batches_is_evaluated_again_by_llama_cpp(
     monkeypatch.setattr(llama_backend.ll, "llama_init_from_model", micro_batches_of_8)
     prompts = ["Session 4 talks about boats", "Session 5 likes the sea"]
     theirs = _backend(tiny_gguf, fast=False)
-    reference, _ = _generate_greedy(theirs, prompts, steps=4)
+    reference, _ = generate_greedy(theirs, prompts, steps=4)
     theirs.close()
     backend = _backend(tiny_gguf, fast=True)
     try:
-        tokens, _ = _generate_greedy(backend, prompts, steps=4)
+        tokens, _ = generate_greedy(backend, prompts, steps=4)
         assert backend.lm_head_redos == 1  # the prompt step; decode steps have 2 rows
         assert tokens == reference
     finally:

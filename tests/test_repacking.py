@@ -22,28 +22,13 @@ import numpy as np
 import pytest
 
 import butter.backends.llama_cpp.loading as llama_loading
-from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
-from butter.sampling import SamplingParams
+from tests.backend_steps import last_prompt_logits
 
 PROMPT = "Session 4 talks about the harbour, its boats and the people who sail them"
 OTHER = "A short one"
-
-
-def _last_prompt_logits(backend: LlamaCppBackend, first: list[int] | None,
-                        prompt: list[int]) -> np.ndarray:
-    """The logits of `prompt`'s last token, evaluated cold in one step, after `first`
-    (another sequence's prompt in the same step) when given."""
-    ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
-    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in (0, 1)]
-    works = [SeqWork(0, tuple(prompt), 0, sample=True, prompt=True)]
-    if first is not None:
-        works.insert(0, SeqWork(1, tuple(first), 0, sample=True, prompt=True))
-    backend.step(ops, works)
-    row = (len(first) if first is not None else 0) + len(prompt) - 1
-    return np.asarray(backend.step_logits(row))
 
 
 @pytest.mark.parametrize("repack", [False, True], ids=["deterministic", "repacked"])
@@ -56,9 +41,9 @@ def test_a_prompts_logits_do_not_depend_on_its_batch_neighbours(
         prompt = backend.tokenize(PROMPT, add_bos=False)
         other = backend.tokenize(OTHER, add_bos=False)
         assert len(other) % 4  # shifts the prompt's rows off llama.cpp's groups of four
-        alone = _last_prompt_logits(backend, None, prompt)
-        beside = _last_prompt_logits(backend, other, prompt)
-        again = _last_prompt_logits(backend, None, prompt)
+        alone = last_prompt_logits(backend, None, prompt)
+        beside = last_prompt_logits(backend, other, prompt)
+        again = last_prompt_logits(backend, None, prompt)
         np.testing.assert_array_equal(alone, again)  # either way, the same step repeats
         if repack:
             np.testing.assert_allclose(alone, beside, atol=1e-2 * np.abs(alone).max())
