@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--fast-layers", action=argparse.BooleanOptionalAction, default=True,
-                       help="llama.cpp: butter multiplies the layers' Q8_0 and Q6_K matrices "
+                       help="llama.cpp: butter multiplies the layers' Q8_0, Q6_K and Q5_K matrices "
                             "with its AVX512-VNNI kernels inside llama.cpp's CPU backend where "
                             "the CPU and the build allow (llama.cpp's x86 code has no "
                             "interleaved kernel for either); needs weight repacking on (not "

@@ -41,6 +41,19 @@ def tiny_256_q8_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                  width=256)
 
 
+@pytest.fixture(scope="module")
+def tiny_q5_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model 256 wide, quantized by llama.cpp's own quantizer to Q5_K_M: Q5_K layer
+    matrices, some Q6_K."""
+    folder = tmp_path_factory.mktemp("q5_k_m")
+    f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
+    target = folder / "tiny-256-q5_k_m.gguf"
+    params = ll.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ll.LLAMA_FTYPE_MOSTLY_Q5_K_M, 2
+    assert ll.llama_model_quantize(str(f32).encode(), str(target).encode(), params) == 0
+    return target
+
+
 def _kernel_or_skip() -> LayerMatmul:
     llama_loading.init_llama_backend()
     try:
@@ -55,7 +68,8 @@ def _backend(path: Path, *, fast_layers: bool, repack: bool = True) -> LlamaCppB
 
 
 MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-TILED = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q6_K": gguf.GGMLQuantizationType.Q6_K}
+TILED = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q6_K": gguf.GGMLQuantizationType.Q6_K,
+         "Q5_K": gguf.GGMLQuantizationType.Q5_K}
 
 
 def _tiled_layer_matrices(path: Path) -> dict[str, int]:
@@ -76,7 +90,8 @@ def _since(before: Counters, after: Counters) -> Counters:
     return Counters(*(a - b for a, b in pairs))
 
 
-@pytest.mark.parametrize("fixture", ["tiny_gguf", "tiny_q4_k_m_gguf", "demo_gguf"])
+@pytest.mark.parametrize("fixture", ["tiny_gguf", "tiny_q4_k_m_gguf", "tiny_q5_k_m_gguf",
+                                     "demo_gguf"])
 def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
     fixture: str, request: pytest.FixtureRequest,
 ) -> None:
@@ -89,7 +104,8 @@ def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
     try:
         taken = _since(before, kernel.counters())
         # (Q4_K_M's Q4_K matrices go to llama.cpp's repacking, first in its list)
-        assert {"Q8_0": taken.q8_0_matrices, "Q6_K": taken.q6_k_matrices} == expected
+        assert {"Q8_0": taken.q8_0_matrices, "Q6_K": taken.q6_k_matrices,
+                "Q5_K": taken.q5_k_matrices} == expected
         counts = " + ".join(f"{n} {name}" for name, n in expected.items() if n)
         assert backend.model.layers_by == f"butter (AVX512-VNNI; {counts} matrices)"
     finally:
@@ -203,19 +219,21 @@ def _matmul_outputs(path: Path, nodes: tuple[str, ...], *, fast_layers: bool, to
 
 
 # Products whose input is the same bits either way, by what llama.cpp names their outputs,
-# with the weight each multiplies: layer 0's first three in the Q8_0 model (their input is
-# the normed embeddings), and in the Q4_K_M model layer 1's V projection, a Q6_K matrix
-# after a layer 0 of Q4_K and Q5_0 only (llama.cpp's kernels both times).
+# with the weight each multiplies: layer 0's first ones in the Q8_0 and Q5_K_M models (their
+# input is the normed embeddings), and in the Q4_K_M model layer 1's V projection, a Q6_K
+# matrix after a layer 0 of Q4_K and Q5_0 only (llama.cpp's kernels both times).
 PRODUCTS = {
     "tiny_256_q8_0_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight",
                            "Vcur-0": "blk.0.attn_v.weight"},
     "tiny_q4_k_m_gguf": {"Vcur-1": "blk.1.attn_v.weight"},
+    "tiny_q5_k_m_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
 }
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 21])
 @pytest.mark.parametrize(("fixture", "qtype"), [("tiny_256_q8_0_gguf", "Q8_0"),
-                                                 ("tiny_q4_k_m_gguf", "Q6_K")])
+                                                 ("tiny_q4_k_m_gguf", "Q6_K"),
+                                                 ("tiny_q5_k_m_gguf", "Q5_K")])
 def test_each_product_is_llama_cpps_to_float_rounding(
     fixture: str, qtype: str, tokens: int, request: pytest.FixtureRequest,
 ) -> None:

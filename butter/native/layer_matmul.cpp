@@ -1,14 +1,14 @@
 /*
- * butter's Q8_0 and Q6_K layer matmuls, plugged into llama.cpp's CPU backend on x86 CPUs
- * with AVX512-VNNI.
+ * butter's Q8_0, Q6_K and Q5_K layer matmuls, plugged into llama.cpp's CPU backend on x86
+ * CPUs with AVX512-VNNI.
  *
  * Why: with several sequences decoding at once, a step multiplies every layer matrix by 2-8
- * activation rows. For Q8_0 and Q6_K matrices llama.cpp's x86 CPU code has no interleaved
+ * activation rows. For Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 CPU code has no interleaved
  * ("repacked") kernel, and its generic paths (tinyBLAS, or one dot product per row and
  * column) run those small products far below what the cores can do: on Qwen3-0.6B's shape
  * in Q8_0 the layer matmuls were ~2/3 of an 8-row step. The tile layout that made butter's
  * output projection 4x faster at 8 rows (q8_0_tiles.h) serves any Q8_0 matrix, and Q6_K
- * gets the same layout with its 6-bit values kept packed (q6_k_tiles.h).
+ * and Q5_K get the same layout with their values kept packed (q6_k_tiles.h, q5_k_tiles.h).
  *
  * How: the way llama.cpp's own repacked kernels plug in. The CPU backend keeps a list of
  * "extra" buffer types; when it loads a model, it offers each weight to them in order, and
@@ -17,7 +17,7 @@
  * first for every node, and a matmul whose weight lives here runs here, on the CPU
  * backend's own threads, with its own work buffer and barrier. So this file adds a buffer
  * type to that list, before the first model is loaded, and accepts exactly one thing: a
- * layer's plain 2-D Q8_0 or Q6_K weight multiplied by f32 activations. Everything else
+ * layer's plain 2-D Q8_0, Q6_K or Q5_K weight multiplied by f32 activations. Everything else
  * (other types, other ops, anything llama.cpp's repacking takes first) stays with
  * llama.cpp.
  *
@@ -47,10 +47,11 @@
 #include <cstring>
 #include <vector>
 
+#include "q5_k_tiles.h"
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 2
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 3
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -58,8 +59,8 @@
 #define BUTTER_E_ARGUMENT (-2) /* a pointer is null */
 #define BUTTER_E_STATE (-3)    /* registered already */
 
-/* butter_layer_matmul_counters: Q8_0 matrices, Q6_K matrices, packed bytes, matmuls, rows */
-#define COUNTERS 5
+/* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows */
+#define COUNTERS 6
 
 namespace ggml_mirror {
 
@@ -70,6 +71,7 @@ constexpr int MAX_SRC = 10;
 constexpr int MAX_NAME = 64;
 constexpr int TYPE_F32 = 0;
 constexpr int TYPE_Q8_0 = 8;
+constexpr int TYPE_Q5_K = 13;
 constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
 constexpr int STATUS_SUCCESS = 0;
@@ -189,8 +191,8 @@ bool registered = false;
  * already here always run here: nothing else can read the layout. */
 std::atomic<bool> accepting{false};
 
-std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, packed_bytes{0}, matmuls{0},
-    matmul_rows{0};
+std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, q5_k_matrices{0}, packed_bytes{0},
+    matmuls{0}, matmul_rows{0};
 
 constexpr size_t ALIGN = 64;
 
@@ -219,9 +221,9 @@ struct Q8Layout {
     }
 };
 
-/* The tiled layout of a K x N Q6_K matrix (q6_k_tiles.h): the file's bytes, rearranged. */
-size_t q6_bytes(const tensor *w) {
-    return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * Q6_TILE_BLOCK_BYTES;
+/* The tiled layouts of a K x N Q6_K or Q5_K matrix (q6_k_tiles.h, q5_k_tiles.h). */
+size_t k_quant_bytes(const tensor *w, size_t tile_block_bytes) {
+    return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * tile_block_bytes;
 }
 
 bool kernel_runs() {
@@ -242,14 +244,15 @@ backend_buffer_type *buffer_type();
  * and a second packed copy here would cost its size in memory for a path rarely taken. */
 bool is_layer_weight(const tensor *w) { return strncmp(w->name, "blk.", 4) == 0; }
 
-/* A plain 2-D matrix of a type this file multiplies: Q8_0, or Q6_K (which llama.cpp's x86
- * code does not repack either). */
+/* A plain 2-D matrix of a type this file multiplies: Q8_0, Q6_K or Q5_K (which llama.cpp's
+ * x86 code does not repack either). */
 bool is_supported_weight(const tensor *w) {
     if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->view_src != nullptr) {
         return false;
     }
     return (w->type == ggml_mirror::TYPE_Q8_0 && w->ne[0] % QK == 0) ||
-           (w->type == ggml_mirror::TYPE_Q6_K && w->ne[0] % QK_K == 0);
+           ((w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) &&
+            w->ne[0] % QK_K == 0);
 }
 
 /* The activation rows of a matmul: src1's ne[1] x ne[2] x ne[3] rows of K floats. */
@@ -259,7 +262,7 @@ int64_t activation_rows(const tensor *x) { return x->ne[1] * x->ne[2] * x->ne[3]
  * their float scales, or ggml's Q8_K blocks. */
 size_t quantized_row_bytes(const tensor *w) {
     const int64_t k = w->ne[0];
-    if (w->type == ggml_mirror::TYPE_Q6_K) {
+    if (w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) {
         return (size_t)(k / QK_K) * Q8_K_BLOCK_BYTES;
     }
     return (size_t)k + (size_t)(k / QK) * sizeof(float);
@@ -315,6 +318,19 @@ struct Q6Pass {
     }
 };
 
+/* The same over a Q5_K matrix. */
+struct Q5Pass {
+    const uint8_t *w;
+    const uint8_t *xq;
+    int64_t nbk;
+    int64_t row_bytes;
+
+    VNNI_BW_TARGET void operator()(int64_t t, int64_t r, int R, float *out,
+                                   int64_t out_stride, int lanes) const {
+        q5_tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
+    }
+};
+
 /* This thread's share of the tiles, for every activation row: a tile's weights stay in
  * cache across the passes of 8 rows. */
 template <class Pass>
@@ -358,13 +374,18 @@ VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
     uint8_t *xq = (uint8_t *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
     float *gather = (float *)(xq + aligned((size_t)rows * quantized_row_bytes(w)) +
                               (size_t)params->ith * aligned((size_t)k * sizeof(float)));
-    if (w->type == ggml_mirror::TYPE_Q6_K) {
+    if (w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) {
         const int64_t row_bytes = (int64_t)quantized_row_bytes(w);
         for (int64_t r = params->ith; r < rows; r += params->nth) {
             ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
         }
         ggml.barrier(params->threadpool);
-        multiply_tiles(params, dst, rows, Q6Pass{(const uint8_t *)w->data, xq, k / QK_K, row_bytes});
+        const uint8_t *tiles = (const uint8_t *)w->data;
+        if (w->type == ggml_mirror::TYPE_Q6_K) {
+            multiply_tiles(params, dst, rows, Q6Pass{tiles, xq, k / QK_K, row_bytes});
+        } else {
+            multiply_tiles(params, dst, rows, Q5Pass{tiles, xq, k / QK_K, row_bytes});
+        }
     } else {
         const int64_t nb = k / QK;
         float *xd = (float *)(xq + rows * k); /* (k is a multiple of 32: 4-byte aligned) */
@@ -447,14 +468,18 @@ int init_tensor(backend_buffer *buffer, tensor *t) {
 }
 
 size_t tiled_bytes(const tensor *t) {
-    return t->type == ggml_mirror::TYPE_Q6_K ? q6_bytes(t) : Q8Layout(t, nullptr).bytes();
+    switch (t->type) {
+    case ggml_mirror::TYPE_Q6_K: return k_quant_bytes(t, Q6_TILE_BLOCK_BYTES);
+    case ggml_mirror::TYPE_Q5_K: return k_quant_bytes(t, Q5_TILE_BLOCK_BYTES);
+    default: return Q8Layout(t, nullptr).bytes();
+    }
 }
 
 void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offset,
                 size_t size) {
     (void)buffer;
     if (!is_supported_weight(t)) {
-        fail("a tensor that is not a plain 2-D Q8_0 or Q6_K matrix was stored");
+        fail("a tensor that is not a plain 2-D Q8_0, Q6_K or Q5_K matrix was stored");
     }
     if (offset != 0 || size != ggml.nbytes(t)) {
         fail("a weight was stored in parts");
@@ -462,6 +487,9 @@ void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offs
     if (t->type == ggml_mirror::TYPE_Q6_K) {
         q6_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
         q6_k_matrices.fetch_add(1, std::memory_order_relaxed);
+    } else if (t->type == ggml_mirror::TYPE_Q5_K) {
+        q5_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
+        q5_k_matrices.fetch_add(1, std::memory_order_relaxed);
     } else {
         const Q8Layout layout(t, t->data);
         q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
@@ -521,16 +549,17 @@ extern "C" {
 int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_VERSION; }
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
- * the F32, Q8_0 and Q6_K type numbers, the MUL_MAT op number. */
+ * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 5 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 6 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
     out[1] = ggml_mirror::TYPE_F32;
     out[2] = ggml_mirror::TYPE_Q8_0;
     out[3] = ggml_mirror::TYPE_Q6_K;
-    out[4] = ggml_mirror::OP_MUL_MAT;
+    out[4] = ggml_mirror::TYPE_Q5_K;
+    out[5] = ggml_mirror::OP_MUL_MAT;
     return BUTTER_OK;
 }
 
@@ -577,13 +606,13 @@ int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
 void *butter_layer_matmul_buffer_type(void) { return registered ? &tile_buffer_type : nullptr; }
 
-/* Whether the next model loads may place their layers' Q8_0 and Q6_K weights here. */
+/* Whether the next model loads may place their layers' Q8_0, Q6_K and Q5_K weights here. */
 int32_t butter_layer_matmul_accept(int32_t accept) {
     accepting.store(accept != 0);
     return BUTTER_OK;
 }
 
-/* Matrices stored here (Q8_0, Q6_K) and their bytes, since the process started; matmuls
+/* Matrices stored here (Q8_0, Q6_K, Q5_K) and their bytes, since the process started; matmuls
  * computed here and their activation rows. */
 int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     if (out == nullptr || out_bytes < COUNTERS * sizeof(int64_t)) {
@@ -591,9 +620,10 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     }
     out[0] = q8_0_matrices.load();
     out[1] = q6_k_matrices.load();
-    out[2] = packed_bytes.load();
-    out[3] = matmuls.load();
-    out[4] = matmul_rows.load();
+    out[2] = q5_k_matrices.load();
+    out[3] = packed_bytes.load();
+    out[4] = matmuls.load();
+    out[5] = matmul_rows.load();
     return BUTTER_OK;
 }
 
@@ -601,7 +631,7 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
 
 static struct PyModuleDef layer_matmul_module = {
     PyModuleDef_HEAD_INIT, "_layer_matmul",
-    "butter's Q8_0 and Q6_K layer matmuls for llama.cpp (loaded with ctypes, see "
+    "butter's Q8_0, Q6_K and Q5_K layer matmuls for llama.cpp (loaded with ctypes, see "
     "butter/backends/llama_cpp/layer_matmul.py)",
     -1, NULL, NULL, NULL, NULL, NULL,
 };

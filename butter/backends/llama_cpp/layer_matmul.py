@@ -1,12 +1,12 @@
-"""butter's Q8_0 and Q6_K layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp).
+"""butter's Q8_0, Q6_K and Q5_K layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp).
 
 With several sequences decoding at once, every layer matrix is multiplied by 2-8 rows per
-step, and for Q8_0 and Q6_K matrices llama.cpp's x86 code has only generic paths for that,
-far below what the cores can do. The native library adds a buffer type to llama.cpp's CPU
-backend, the way llama.cpp's own repacked kernels plug in: at load, a layer's plain 2-D
-Q8_0 and Q6_K weights are stored there in butter's tile layout, and their matmuls then run
-butter's AVX512-VNNI kernels on llama.cpp's own threads. Any other weight, type or op stays
-with llama.cpp.
+step, and for Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 code has only generic paths for
+that, far below what the cores can do. The native library adds a buffer type to llama.cpp's
+CPU backend, the way llama.cpp's own repacked kernels plug in: at load, a layer's plain 2-D
+Q8_0, Q6_K and Q5_K weights are stored there in butter's tile layout, and their matmuls then
+run butter's AVX512-VNNI kernels on llama.cpp's own threads. Any other weight, type or op
+stays with llama.cpp.
 
 It applies where: the extension is built, the CPU has AVX512-VNNI, llama.cpp runs on the
 CPU, its extra buffer types are on (they are off with `--deterministic`), and the ggml
@@ -36,7 +36,7 @@ _P = ctypes.c_void_p
 _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 2
+ABI_VERSION = 3
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -47,8 +47,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
 }
 OK, DECLINED = 0, 1
-COUNTERS = 5  # Q8_0 and Q6_K matrices stored, their bytes, matmuls run, their rows
-MIRRORED = 5  # butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, MUL_MAT
+COUNTERS = 6  # Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows
+MIRRORED = 6  # butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -64,13 +64,14 @@ class Unavailable(Exception):
 class Counters:
     q8_0_matrices: int
     q6_k_matrices: int
+    q5_k_matrices: int
     packed_bytes: int
     matmuls: int
     rows: int
 
     @property
     def matrices(self) -> int:
-        return self.q8_0_matrices + self.q6_k_matrices
+        return self.q8_0_matrices + self.q6_k_matrices + self.q5_k_matrices
 
 
 class LayerMatmul:
@@ -89,7 +90,7 @@ class LayerMatmul:
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
-        """While loading a model: whether its layers' Q8_0 and Q6_K weights may be stored in
+        """While loading a model: whether its layers' Q8_0, Q6_K and Q5_K weights may be stored in
         butter's layout."""
         with self._loading:
             self._lib.butter_layer_matmul_accept(int(accept))
@@ -161,7 +162,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, mul_mat = (int(v) for v in mirror)
+    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat = (int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -171,13 +172,15 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "type F32": base.ggml_type_name(f32),
         "type Q8_0": base.ggml_type_name(q8_0),
         "type Q6_K": base.ggml_type_name(q6_k),
+        "type Q5_K": base.ggml_type_name(q5_k),
         "op MUL_MAT": base.ggml_op_name(mul_mat),
         "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
             cpu.ggml_backend_cpu_buffer_type()),
     }
     expected = {
-        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0", "type Q6_K": b"q6_K",
-        "op MUL_MAT": b"MUL_MAT", "CPU buffer type": b"CPU",
+        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
+        "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "op MUL_MAT": b"MUL_MAT",
+        "CPU buffer type": b"CPU",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
     if wrong:

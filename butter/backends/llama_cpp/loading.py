@@ -305,7 +305,7 @@ def relative_rms_error(ours: Any, theirs: Any) -> float:
 
 
 def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str]:
-    """llama.cpp's model, and who computes its Q8_0 and Q6_K layer matmuls: "butter (what
+    """llama.cpp's model, and who computes its Q8_0, Q6_K and Q5_K layer matmuls: "butter (what
     it took)", or "llama.cpp (why)" (layer_matmul.py)."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = repack  # weight repacking: see MIN_PROMPT_ROWS
@@ -325,9 +325,10 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
         model = _load_llama_model(path, params)
     after = kernel.counters()
     stored = {"Q8_0": after.q8_0_matrices - before.q8_0_matrices,
-              "Q6_K": after.q6_k_matrices - before.q6_k_matrices}
+              "Q6_K": after.q6_k_matrices - before.q6_k_matrices,
+              "Q5_K": after.q5_k_matrices - before.q5_k_matrices}
     if not any(stored.values()):
-        return model, "llama.cpp (no Q8_0 or Q6_K layer matrices)"
+        return model, "llama.cpp (no Q8_0, Q6_K or Q5_K layer matrices)"
     counts = " + ".join(f"{n} {name}" for name, n in stored.items() if n)
     return model, f"butter (AVX512-VNNI; {counts} matrices)"
 

@@ -1,0 +1,190 @@
+/*
+ * Q5_K matrices laid out for AVX512-VNNI (the layer matmuls of layer_matmul.cpp).
+ *
+ * Q5_K stores 256 weights per block as 5-bit values q (0..31: the low 4 bits in `qs`, the
+ * high bit in `qh`), 8 sub-blocks of 32 weights each with a 6-bit scale and a 6-bit min
+ * (packed in 12 bytes), and two fp16 block scales d and dmin:
+ * weight = d * scale * q - dmin * min. Laid out like the Q6_K tiles (q6_k_tiles.h): 16
+ * matrix rows side by side, one chunk per sub-block read in order,
+ *
+ *   4 x 64 bytes: groups 8j+2k (low nibbles) and 8j+2k+1 (high nibbles), k = 0..3,
+ *   64 bytes:     the high bit of groups 8j..8j+7 (bit g of each byte for group 8j+g),
+ *
+ * then the scales and mins (8 x 16 bytes each, [sub-block][row]) and d and dmin (16 fp16
+ * each). A group is 4 consecutive columns of the 16 rows ([row][4 bytes]).
+ *
+ * Same arithmetic as llama.cpp's Q5_K dot product: the activations are ggml's Q8_K; each
+ * block's d * sum(scale * sum(q * x)) - dmin * sum(min * sum(x)) is formed from the exact
+ * integers llama.cpp forms, times the same scales; only the float sums may differ in order.
+ */
+#ifndef BUTTER_Q5_K_TILES_H
+#define BUTTER_Q5_K_TILES_H
+
+#include "q6_k_tiles.h" /* QK_K, Q8_K_BLOCK_BYTES, LANES, ROWS_PER_PASS, VNNI_BW_TARGET */
+
+#define Q5_K_BLOCK_BYTES 176    /* d, dmin, scales[12], qh[32], qs[128] */
+#define Q5_SUB_BLOCKS 8         /* 32 weights each */
+#define Q5_CHUNK 320            /* bytes per sub-block and tile */
+#define Q5_TILE_VALUES (Q5_SUB_BLOCKS * Q5_CHUNK)
+#define Q5_TILE_BLOCK_BYTES (Q5_TILE_VALUES + 2 * Q5_SUB_BLOCKS * LANES + 2 * LANES * 2)
+
+/* ggml's get_scale_min_k4: sub-block j's 6-bit scale and min from the 12 packed bytes. */
+static inline void q5_k_scale_min(int j, const uint8_t *q, uint8_t *scale, uint8_t *min) {
+    if (j < 4) {
+        *scale = q[j] & 63;
+        *min = q[j + 4] & 63;
+    } else {
+        *scale = (uint8_t)((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4));
+        *min = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* A Q5_K block's 256 weights as their 5-bit values (0..31), in column order, as ggml's
+ * dequantize_row_q5_K reads them: 4 rounds of 64 columns, each from 32 bytes of `qs`
+ * (low nibbles, then high nibbles) and two bits of every `qh` byte. */
+static inline void q5_k_values(const uint8_t *block, uint8_t *q) {
+    const uint8_t *qh = block + 16, *ql = block + 48;
+    for (int round = 0; round < 4; round++) {
+        const uint8_t u1 = (uint8_t)(1u << (2 * round)), u2 = (uint8_t)(2u << (2 * round));
+        for (int l = 0; l < 32; l++) {
+            q[round * 64 + l] = (uint8_t)((ql[l] & 0xF) + (qh[l] & u1 ? 16 : 0));
+            q[round * 64 + 32 + l] = (uint8_t)((ql[l] >> 4) + (qh[l] & u2 ? 16 : 0));
+        }
+        ql += 32;
+    }
+}
+
+/* Packs `n_rows` Q5_K rows of `nbk` blocks each into whole tiles of Q5_TILE_BLOCK_BYTES per
+ * tile and block ([tile][block]); rows past n_rows (up to a whole tile) are zero. */
+static inline void q5_tiles_pack(const uint8_t *rows, int64_t n_rows, int64_t nbk, uint8_t *dst) {
+    const int64_t n_tiles = (n_rows + LANES - 1) / LANES;
+    memset(dst, 0, (size_t)(n_tiles * nbk * Q5_TILE_BLOCK_BYTES));
+    uint8_t q[QK_K];
+    for (int64_t v = 0; v < n_rows; v++) {
+        const int64_t t = v / LANES;
+        const int lane = (int)(v % LANES);
+        for (int64_t b = 0; b < nbk; b++) {
+            const uint8_t *block = rows + (v * nbk + b) * Q5_K_BLOCK_BYTES;
+            uint8_t *tile = dst + (t * nbk + b) * Q5_TILE_BLOCK_BYTES;
+            uint8_t *scales = tile + Q5_TILE_VALUES, *mins = scales + Q5_SUB_BLOCKS * LANES;
+            q5_k_values(block, q);
+            for (int j = 0; j < Q5_SUB_BLOCKS; j++) {
+                uint8_t *chunk = tile + j * Q5_CHUNK + lane * 4;
+                const uint8_t *g = q + j * 32; /* 8 groups of 4 columns */
+                for (int i = 0; i < 4; i++) {
+                    uint8_t high = 0;
+                    for (int k = 0; k < 4; k++) {
+                        chunk[k * 64 + i] = (uint8_t)((g[8 * k + i] & 0xF) |
+                                                      (g[8 * k + 4 + i] & 0xF) << 4);
+                    }
+                    for (int group = 0; group < 8; group++) {
+                        high |= (uint8_t)((g[4 * group + i] >> 4) << group);
+                    }
+                    chunk[256 + i] = high;
+                }
+                q5_k_scale_min(j, block + 4, &scales[j * LANES + lane], &mins[j * LANES + lane]);
+            }
+            uint8_t *d = mins + Q5_SUB_BLOCKS * LANES;
+            memcpy(d + lane * 2, block, 2);                /* d */
+            memcpy(d + LANES * 2 + lane * 2, block + 2, 2); /* dmin */
+        }
+    }
+}
+
+#ifdef BUTTER_X86
+
+/* Group g (0..7) of a chunk, unpacked: its low nibbles | its high bit << 4. */
+#define Q5_GROUP(low, high, g)                                                              \
+    _mm512_ternarylogic_epi32(                                                              \
+        (g) % 2 ? _mm512_and_si512(_mm512_srli_epi16((low), 4), nibble)                     \
+                : _mm512_and_si512((low), nibble),                                          \
+        (g) <= 4 ? _mm512_slli_epi16((high), 4 - (g)) : _mm512_srli_epi16((high), (g) - 4), \
+        bit4, 0xF8)
+
+/* Tile t's 16 outputs for R activation rows (ggml block_q8_K rows, `x_stride` bytes
+ * apart), stored at out + r * out_stride; only the first `lanes` are stored. */
+VNNI_BW_TARGET static inline __attribute__((always_inline)) void
+q5_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_t *x,
+             int64_t x_stride, float *out, int64_t out_stride, int lanes) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    __m512 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * Q5_TILE_BLOCK_BYTES;
+        const uint8_t *scales = tile + Q5_TILE_VALUES, *mins = scales + Q5_SUB_BLOCKS * LANES;
+        __m512i isum[ROWS_PER_PASS], msum[ROWS_PER_PASS];
+        for (int r = 0; r < R; r++) {
+            isum[r] = _mm512_setzero_si512();
+            msum[r] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < Q5_SUB_BLOCKS; j++) {
+            const uint8_t *chunk = tile + j * Q5_CHUNK;
+            for (int p = 0; p < Q5_CHUNK; p += 64) { /* the chunk a block ahead */
+                _mm_prefetch((const char *)(chunk + Q5_TILE_BLOCK_BYTES + p), _MM_HINT_T0);
+            }
+            const __m512i l0 = _mm512_loadu_si512((const void *)chunk);
+            const __m512i l1 = _mm512_loadu_si512((const void *)(chunk + 64));
+            const __m512i l2 = _mm512_loadu_si512((const void *)(chunk + 128));
+            const __m512i l3 = _mm512_loadu_si512((const void *)(chunk + 192));
+            const __m512i h = _mm512_loadu_si512((const void *)(chunk + 256));
+            const __m512i q[8] = {Q5_GROUP(l0, h, 0), Q5_GROUP(l0, h, 1), Q5_GROUP(l1, h, 2),
+                                  Q5_GROUP(l1, h, 3), Q5_GROUP(l2, h, 4), Q5_GROUP(l2, h, 5),
+                                  Q5_GROUP(l3, h, 6), Q5_GROUP(l3, h, 7)};
+            const __m512i scale = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(scales + j * LANES)));
+            const __m512i min = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(mins + j * LANES)));
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
+                const uint8_t *qs = xb + 4 + j * 32;
+                __m512i dot = _mm512_setzero_si512();
+                for (int g = 0; g < 8; g++) {
+                    int32_t four;
+                    memcpy(&four, qs + g * 4, 4);
+                    dot = _mm512_dpbusd_epi32(dot, q[g], _mm512_set1_epi32(four));
+                }
+                int16_t bsums[2];
+                memcpy(bsums, xb + 4 + QK_K + j * 4, 4);
+                isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
+                msum[r] = _mm512_add_epi32(
+                    msum[r], _mm512_mullo_epi32(min, _mm512_set1_epi32(bsums[0] + bsums[1])));
+            }
+        }
+        const uint8_t *d = mins + Q5_SUB_BLOCKS * LANES;
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
+        const __m512 wmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 32)));
+        for (int r = 0; r < R; r++) {
+            float xd;
+            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            const __m512 xs = _mm512_set1_ps(xd);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(xs, wd), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(xs, wmin), acc[r]);
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << lanes) - 1u);
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(out + r * out_stride, keep, acc[r]);
+    }
+}
+
+/* q5_tile_rows for any R from 1 to 8, each count compiled with its loops unrolled. */
+VNNI_BW_TARGET static inline void q5_tile_pass(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                               const uint8_t *x, int64_t x_stride, float *out,
+                                               int64_t out_stride, int lanes) {
+    switch (R) {
+    case 1: q5_tile_rows(w, nbk, t, 1, x, x_stride, out, out_stride, lanes); break;
+    case 2: q5_tile_rows(w, nbk, t, 2, x, x_stride, out, out_stride, lanes); break;
+    case 3: q5_tile_rows(w, nbk, t, 3, x, x_stride, out, out_stride, lanes); break;
+    case 4: q5_tile_rows(w, nbk, t, 4, x, x_stride, out, out_stride, lanes); break;
+    case 5: q5_tile_rows(w, nbk, t, 5, x, x_stride, out, out_stride, lanes); break;
+    case 6: q5_tile_rows(w, nbk, t, 6, x, x_stride, out, out_stride, lanes); break;
+    case 7: q5_tile_rows(w, nbk, t, 7, x, x_stride, out, out_stride, lanes); break;
+    default: q5_tile_rows(w, nbk, t, 8, x, x_stride, out, out_stride, lanes); break;
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+#endif /* BUTTER_Q5_K_TILES_H */
