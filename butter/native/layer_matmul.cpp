@@ -305,29 +305,22 @@ struct Q8Pass {
     }
 };
 
-/* The same over a Q6_K matrix, the activations as ggml's Q8_K rows. */
-struct Q6Pass {
+/* The same over a K-quant matrix (Q6_K or Q5_K: `tile_pass` is q6_tile_pass or
+ * q5_tile_pass), the activations as ggml's Q8_K rows. */
+typedef void (*KQuantTilePass)(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                               const uint8_t *x, int64_t x_stride, float *out,
+                               int64_t out_stride, int lanes);
+
+struct KQuantPass {
+    KQuantTilePass tile_pass;
     const uint8_t *w;
     const uint8_t *xq;
     int64_t nbk;
     int64_t row_bytes;
 
-    VNNI_BW_TARGET void operator()(int64_t t, int64_t r, int R, float *out,
-                                   int64_t out_stride, int lanes) const {
-        q6_tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
-    }
-};
-
-/* The same over a Q5_K matrix. */
-struct Q5Pass {
-    const uint8_t *w;
-    const uint8_t *xq;
-    int64_t nbk;
-    int64_t row_bytes;
-
-    VNNI_BW_TARGET void operator()(int64_t t, int64_t r, int R, float *out,
-                                   int64_t out_stride, int lanes) const {
-        q5_tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
+    void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
+                    int lanes) const {
+        tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
     }
 };
 
@@ -380,12 +373,10 @@ VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
             ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
         }
         ggml.barrier(params->threadpool);
-        const uint8_t *tiles = (const uint8_t *)w->data;
-        if (w->type == ggml_mirror::TYPE_Q6_K) {
-            multiply_tiles(params, dst, rows, Q6Pass{tiles, xq, k / QK_K, row_bytes});
-        } else {
-            multiply_tiles(params, dst, rows, Q5Pass{tiles, xq, k / QK_K, row_bytes});
-        }
+        const KQuantTilePass tile_pass =
+            w->type == ggml_mirror::TYPE_Q6_K ? q6_tile_pass : q5_tile_pass;
+        multiply_tiles(params, dst, rows,
+                       KQuantPass{tile_pass, (const uint8_t *)w->data, xq, k / QK_K, row_bytes});
     } else {
         const int64_t nb = k / QK;
         float *xd = (float *)(xq + rows * k); /* (k is a multiple of 32: 4-byte aligned) */
