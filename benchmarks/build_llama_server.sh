@@ -7,7 +7,9 @@
 # benchmarks/.build/llama-server to force a rebuild).
 #
 # Env overrides: PYTHON (interpreter whose pip downloads the sdist; default
-# /work/venv/bin/python), LCP_VERSION (default 0.3.36), JOBS (default 2).
+# /work/venv/bin/python), LCP_VERSION (default 0.3.36), JOBS (default 2),
+# EXTRA_CMAKE_ARGS (appended to the configure step, e.g. an instruction-set choice) and
+# SERVER_DIR (the build folder under .build/, default llama-server; name one per choice).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,7 +21,7 @@ JOBS="${JOBS:-2}"
 SDIST_DIR="$BUILD/sdist"
 SRC_DIR="$BUILD/src/llama_cpp_python-$LCP_VERSION"
 LLAMA_DIR="$SRC_DIR/vendor/llama.cpp"
-CMAKE_DIR="$BUILD/llama-server"
+CMAKE_DIR="$BUILD/${SERVER_DIR:-llama-server}"
 BIN="$CMAKE_DIR/bin/llama-server"
 
 if [[ -x "$BIN" ]]; then
@@ -54,7 +56,7 @@ cmake -S "$LLAMA_DIR" -B "$CMAKE_DIR" \
     -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_SERVER=ON \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF -DGGML_BLAS=OFF \
-    -DBUILD_SHARED_LIBS=OFF >&2
+    -DBUILD_SHARED_LIBS=OFF ${EXTRA_CMAKE_ARGS:-} >&2
 cmake --build "$CMAKE_DIR" --config Release --target llama-server -j "$JOBS" >&2
 echo "built llama-server in $(( $(date +%s) - start )) s" >&2
 

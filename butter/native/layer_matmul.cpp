@@ -51,7 +51,7 @@
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 3
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 4
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -592,6 +592,24 @@ int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_
     ggml.extra_buffer_types().push_back(&tile_buffer_type);
     registered = true;
     return BUTTER_OK;
+}
+
+/* Takes the buffer type called `name` out of the CPU backend's extra buffer types, so that
+ * llama.cpp never offers weights to it (before llama.cpp first lists them, like register).
+ * BUTTER_DECLINED: none has that name. */
+int32_t butter_layer_matmul_drop_buffer_type(void *extra_buffer_types, const char *name) {
+    if (!extra_buffer_types || !name) {
+        return BUTTER_E_ARGUMENT;
+    }
+    auto &types = ((std::vector<backend_buffer_type *> & (*)()) extra_buffer_types)();
+    for (auto it = types.begin(); it != types.end(); ++it) {
+        backend_buffer_type *type = *it;
+        if (type != nullptr && strcmp(type->iface.get_name(type), name) == 0) {
+            types.erase(it);
+            return BUTTER_OK;
+        }
+    }
+    return BUTTER_DECLINED;
 }
 
 /* The registered buffer type (to find it in llama.cpp's list), or null. */

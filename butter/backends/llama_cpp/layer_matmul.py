@@ -36,7 +36,7 @@ _P = ctypes.c_void_p
 _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -45,6 +45,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_buffer_type": (_P, []),
     "butter_layer_matmul_accept": (_I32, [_I32]),
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
+    "butter_layer_matmul_drop_buffer_type": (_I32, [_P, ctypes.c_char_p]),
 }
 OK, DECLINED = 0, 1
 COUNTERS = 6  # Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows
@@ -104,6 +105,13 @@ _registering = threading.Lock()
 _registered: LayerMatmul | None = None
 _why_not: str | None = None
 
+# llama.cpp's AMX buffer type (CPUs with AMX-INT8, Sapphire Rapids on, in a build for such a
+# CPU): at the llama.cpp commit butter links, a decode with weights stored there crashes the
+# process (SIGSEGV in ggml_backend_amx_mul_mat, llama-cpp-python alone included, while the
+# CPU runs AMX tiles fine). Weights go to the repacked layouts instead, as on AVX512 CPUs.
+CRASHING_BUFFER_TYPES = (b"AMX",)
+dropped_buffer_types: list[str] = []  # what `register` took out of llama.cpp's list
+
 
 def register() -> None:
     """Add butter's buffer type to llama.cpp's CPU backend, once per process, where it
@@ -112,6 +120,10 @@ def register() -> None:
     with _registering:
         if _registered is not None or _why_not is not None:
             return
+        try:
+            _drop_crashing_buffer_types()
+        except Unavailable:
+            pass  # (no library: nothing could be taken out; loading.py checks the list)
         try:
             _registered = _register()
         except Unavailable as exc:
@@ -208,6 +220,26 @@ def _listed_extra_buffer_types(base: Any, cpu: Any, device: int) -> list[int]:
     while listing and listing[len(found)]:
         found.append(int(listing[len(found)]))
     return found
+
+
+def _drop_crashing_buffer_types() -> None:
+    if llama_cpp.llama_supports_gpu_offload():
+        return
+    lib = _library()
+    _, cpu = _ggml_libraries()
+    extra_buffer_types = ctypes.cast(getattr(cpu, EXTRA_BUFFER_TYPES_SYMBOL), _P)
+    for name in CRASHING_BUFFER_TYPES:
+        if lib.butter_layer_matmul_drop_buffer_type(extra_buffer_types, name) == OK:
+            dropped_buffer_types.append(name.decode())
+
+
+def listed_buffer_type_names() -> list[str]:
+    """The names of the extra buffer types llama.cpp offers weights to (after `register`)."""
+    base, cpu = _ggml_libraries()
+    base.ggml_backend_buft_name.argtypes = [_P]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    listed = _listed_extra_buffer_types(base, cpu, _cpu_device(base, cpu))
+    return [base.ggml_backend_buft_name(buft).decode() for buft in listed]
 
 
 def _register() -> LayerMatmul:
