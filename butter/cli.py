@@ -57,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-pool", type=_positive,
                        help="KV cells shared by all sessions (default: max-context + "
                             f"{defaults.DEFAULT_CELLS_PER_EXTRA_SESSION} per extra session)")
+    serve.add_argument("--cache-ram", type=int, default=defaults.default_cache_ram_mib(),
+                       metavar="MIB",
+                       help="host RAM (MiB) for cached prompts evicted from the KV pool, "
+                            "restored when they return; 0 = off; llama.cpp only (default: "
+                            f"a quarter of this machine's memory, at most "
+                            f"{defaults.DEFAULT_CACHE_RAM_MIB_CAP}: %(default)s)")
     serve.add_argument("--prefill-chunk", type=_positive, default=defaults.DEFAULT_PREFILL_CHUNK,
                        help="prompt tokens evaluated per engine step (default %(default)s)")
     serve.add_argument("--decode-stall", type=float, default=defaults.DEFAULT_DECODE_STALL_SECONDS,
@@ -158,6 +164,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         model=args.model, host=args.host, port=args.port, alias=args.alias,
         chat_template=args.chat_template, parallel=args.parallel, max_queue=args.max_queue,
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
+        cache_ram_mib=max(0, args.cache_ram),
         decode_stall=max(0.0, args.decode_stall), threads=args.threads,
         step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         fast_layers=args.fast_layers,

@@ -16,6 +16,12 @@ DEFAULT_MAX_CONTEXT_CAP = 8192
 # Each extra parallel session adds this many cells to the shared pool by default, so a
 # pool fits `parallel` typical chat requests without one long request starving the rest.
 DEFAULT_CELLS_PER_EXTRA_SESSION = 2048
+# Sequence ids beyond the --parallel generating ones: idle ones hold cached prompts (the
+# prefix cache), so a chat's side requests or a second conversation do not evict the first.
+DEFAULT_CACHED_PROMPTS = 32
+# The host-RAM tier (--cache-ram) holds prefixes evicted from the KV pool: llama-server's
+# default budget (8 GiB), at most a quarter of the machine's memory.
+DEFAULT_CACHE_RAM_MIB_CAP = 8192
 # Tokens evaluated per engine step across all prefilling sessions. Smaller chunks keep
 # decode latency of siblings low; larger ones prefill faster. Measured on 2 cores.
 DEFAULT_PREFILL_CHUNK = 256
@@ -37,6 +43,14 @@ DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 # An idle keep-alive connection is closed after this long.
 DEFAULT_KEEP_ALIVE_SECONDS = 5.0
 API_KEY_ENV = "BUTTER_API_KEY"
+
+
+def default_cache_ram_mib() -> int:
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):  # (no sysconf names on this platform)
+        return DEFAULT_CACHE_RAM_MIB_CAP
+    return min(DEFAULT_CACHE_RAM_MIB_CAP, total // 4 // 2**20)
 RETRY_AFTER_SECONDS = 1
 # /ready answers 503 once a single engine step has run this long: the engine is stuck (a
 # native hang), not slow; a prefill chunk of a large model on a few cores takes seconds.
@@ -87,6 +101,7 @@ class ServeSettings:
     max_queue: int = DEFAULT_MAX_QUEUE
     max_context: int | None = None
     kv_pool: int | None = None
+    cache_ram_mib: int = attrs.field(factory=default_cache_ram_mib)  # 0: no host-RAM tier
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     decode_stall: float = DEFAULT_DECODE_STALL_SECONDS  # 0: chunks never shrink
     threads: int = attrs.field(factory=usable_cores)

@@ -50,7 +50,8 @@ async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
         yield fresh
         nursery.cancel_scope.cancel()
     # Forget everything this engine cached, so the next test starts cold.
-    backend.step([RemoveTokens(seq, -1, -1) for seq in range(4)], [])
+    every_seq = range(backend.n_seq + backend.n_cache_seqs)
+    backend.step([RemoveTokens(seq, -1, -1) for seq in every_seq], [])
 
 
 def tokens(resident: ResidentModel, text: str) -> list[int]:

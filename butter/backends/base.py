@@ -63,7 +63,43 @@ class SetSampler:
     params: SamplingParams
 
 
-KvOp = RemoveTokens | CopyPrefix | ShiftPositions | SetSampler
+@attrs.frozen
+class SaveSequence:
+    """Serialize `seq`'s KV state for the host-RAM tier (the step returns it: Saved)."""
+
+    seq: int
+
+
+@attrs.frozen(repr=False)
+class RestoreSequence:
+    """Load state that SaveSequence made into `seq` (emptied first), then keep only its
+    first `keep` positions (the step says whether it worked: Restored)."""
+
+    seq: int
+    data: bytes
+    keep: int
+
+    def __repr__(self) -> str:
+        return f"RestoreSequence(seq={self.seq}, {len(self.data)} bytes, keep={self.keep})"
+
+
+KvOp = RemoveTokens | CopyPrefix | ShiftPositions | SetSampler | SaveSequence | RestoreSequence
+
+
+@attrs.frozen(repr=False)
+class Saved:
+    seq: int
+    data: bytes | None  # None: the backend could not serialize it
+
+    def __repr__(self) -> str:
+        size = None if self.data is None else len(self.data)
+        return f"Saved(seq={self.seq}, {size} bytes)"
+
+
+@attrs.frozen
+class Restored:
+    seq: int
+    ok: bool  # False: nothing was loaded (e.g. no free cells); the sequence is empty
 
 
 class KvEditor(Protocol):
@@ -77,9 +113,15 @@ class KvEditor(Protocol):
 
     def set_sampler(self, op: SetSampler) -> None: ...
 
+    def save_sequence(self, op: SaveSequence) -> Saved: ...
 
-def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> None:
-    """Apply the ops in order, each through the editor's method for its kind."""
+    def restore_sequence(self, op: RestoreSequence) -> Restored: ...
+
+
+def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[Saved | Restored]:
+    """Apply the ops in order, each through the editor's method for its kind; the saves'
+    and restores' outcomes, in order."""
+    outcomes: list[Saved | Restored] = []
     for op in ops:
         match op:
             case RemoveTokens():
@@ -90,6 +132,11 @@ def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> None:
                 editor.shift_positions(op)
             case SetSampler():
                 editor.set_sampler(op)
+            case SaveSequence():
+                outcomes.append(editor.save_sequence(op))
+            case RestoreSequence():
+                outcomes.append(editor.restore_sequence(op))
+    return outcomes
 
 
 @attrs.frozen
@@ -127,7 +174,7 @@ class Scored:
     logprobs: tuple[Logprobs, ...]
 
 
-StepResult = Sampled | Scored
+StepResult = Sampled | Scored | Saved | Restored
 
 
 class BackendError(Exception):
@@ -137,7 +184,14 @@ class BackendError(Exception):
 class Backend(Protocol):
     info: ModelInfo
     n_cells: int
-    n_seq: int
+    n_seq: int  # requests that generate at once (--parallel)
+    # Sequence ids beyond those, for cached prefixes that no request holds (the prefix
+    # cache keeps up to n_seq + n_cache_seqs prompts in the KV pool).
+    n_cache_seqs: int
+    # CopyPrefix shares cells (llama.cpp's unified cache) rather than copying them (MLX).
+    shares_prefix_cells: bool
+    # SaveSequence / RestoreSequence work (the host-RAM tier); False: never sent.
+    saves_sequences: bool
     can_shift: bool
     kv_type: KvCacheType
     # A sequence's cache holding this many positions or more can no longer be cut back

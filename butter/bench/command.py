@@ -1,7 +1,8 @@
 """`butter serve-bench ...`: parse, run the workload with a progress bar, report.
 
-Three workloads: synchronized waves (the default), `--replay FILE` (recorded agent
-conversations) and `--long-arrival TOKENS` (one long prompt arriving amid streams)."""
+Four workloads: synchronized waves (the default), `--replay FILE` (recorded agent
+conversations), `--long-arrival TOKENS` (one long prompt arriving amid streams) and
+`--interleave K` (conversations taking turns amid side requests: prefix caching)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from rich.progress import Progress
 
 from butter.bench.arrival import ArrivalConfig, run_arrival
 from butter.bench.client import BenchConfig, BenchError, run_levels
+from butter.bench.interleave import InterleaveConfig, run_interleave
 from butter.bench.metrics import (
     LevelReport,
     Timeline,
     arrival_report,
+    interleave_report,
     level_report,
     replay_report,
 )
 from butter.bench.replay import DEFAULT_TAG, load_replay, run_replay
 from butter.bench.report import (
     print_arrival,
+    print_interleave,
     print_replay,
     print_table,
     write_json,
@@ -68,6 +72,18 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="C sessions stream --max-tokens answers; then one request with a unique prompt "
              "of about TOKENS tokens arrives: the sessions' tok/s before, during its prefill "
              "and after")
+    workload.add_argument(
+        "--interleave", type=int, metavar="K",
+        help="K conversations with long histories take turns, one request at a time, each "
+             "answer followed by --side-requests short unrelated requests (a chat UI's "
+             "title and tags): the cached share and TTFT of returning turns")
+    bench.add_argument("--side-requests", type=int, default=2,
+                       help="--interleave: side requests after each answer (default %(default)s)")
+    bench.add_argument("--history-tokens", type=int, default=2000,
+                       help="--interleave: about this many tokens in each conversation's "
+                            "first prompt (default %(default)s)")
+    bench.add_argument("--turns", type=int, default=4,
+                       help="--interleave: requests per conversation (default %(default)s)")
     bench.add_argument("--arrival-max-tokens", type=int, default=16,
                        help="the long request's max_tokens (default %(default)s)")
     bench.add_argument("--arrival-settle", type=float, default=1.0,
@@ -97,12 +113,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    if args.plot and (args.replay is not None or args.long_arrival is not None):
+    if args.plot and (args.replay is not None or args.long_arrival is not None
+                      or args.interleave is not None):
         Console(stderr=True).print("serve-bench: --plot draws the waves only; ignored")
     if args.replay is not None:
         return run_replay_command(args, config)
     if args.long_arrival is not None:
         return run_arrival_command(args, config)
+    if args.interleave is not None:
+        return run_interleave_command(args, config)
     console = Console(stderr=True)
     total = len(config.concurrency) * config.waves
     with Progress(console=console, transient=True) as progress:
@@ -182,4 +201,32 @@ def run_arrival_command(args: argparse.Namespace, config: BenchConfig) -> int:
     print_arrival(reports, Console())
     if args.json:
         write_json(args.json, reports, sys.argv, server)
+    return 0
+
+
+def run_interleave_command(args: argparse.Namespace, config: BenchConfig) -> int:
+    console = Console(stderr=True)
+    if min(args.interleave, args.turns, args.history_tokens) < 1 or args.side_requests < 0:
+        console.print("[red]serve-bench: --interleave, --turns and --history-tokens must be "
+                      "positive, --side-requests at least 0[/red]")
+        return 2
+    interleave = InterleaveConfig(conversations=args.interleave,
+                                  side_requests=args.side_requests,
+                                  history_tokens=args.history_tokens, turns=args.turns)
+    total = args.interleave * args.turns * (1 + args.side_requests)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("interleave", total=total)
+
+        def on_request(timeline: Timeline) -> None:
+            progress.update(task, advance=1, description=f"{timeline.marker} #{timeline.turn}")
+
+        try:
+            server, timelines = trio.run(run_interleave, config, interleave, on_request)
+        except BenchError as exc:
+            console.print(f"[red]serve-bench: {exc}[/red]")
+            return 2
+    report = interleave_report(args.interleave, args.side_requests, timelines)
+    print_interleave(report, Console())
+    if args.json:
+        write_json(args.json, [report], sys.argv, server)
     return 0

@@ -372,3 +372,52 @@ def arrival_report(
         retried=sum(1 for t in [*every, long] if t.retries),
         errors=error_samples([*every, long]),
     )
+
+
+# ---------------------------------------------------------------- interleaved conversations
+
+
+@attrs.frozen
+class InterleaveReport:
+    """`serve-bench --interleave`: returning turns are a conversation's requests after its
+    first, each sent after other conversations' turns and side requests."""
+
+    conversations: int
+    side_requests: int
+    turns: int
+    requests: int
+    http_errors: int
+    returning_prompt_tokens: int
+    returning_cached_tokens: int
+    returning_cached_share: float | None
+    returning_ttft_p50: float | None
+    returning_ttft_p95: float | None
+    first_turn_ttft_p50: float | None
+    side_ttft_p50: float | None
+    cached_source: str
+    errors: list[str]
+
+
+def interleave_report(conversations: int, side_requests: int,
+                      timelines: Sequence[Timeline]) -> InterleaveReport:
+    ok = [t for t in timelines if t.ok]
+    turns = [t for t in ok if not t.marker.startswith("side")]
+    returning = [t for t in turns if t.turn > 0]
+    prompt = sum(t.prompt_tokens for t in returning)
+    cached = sum(t.cached_tokens for t in returning)
+
+    def ttfts(group: Sequence[Timeline]) -> list[float]:
+        return [t.token_ttft for t in group if t.token_ttft is not None]
+
+    return InterleaveReport(
+        conversations=conversations, side_requests=side_requests,
+        turns=max((t.turn for t in timelines), default=-1) + 1,
+        requests=len(timelines), http_errors=len(timelines) - len(ok),
+        returning_prompt_tokens=prompt, returning_cached_tokens=cached,
+        returning_cached_share=_share(cached, prompt),
+        returning_ttft_p50=percentile(ttfts(returning), 50),
+        returning_ttft_p95=percentile(ttfts(returning), 95),
+        first_turn_ttft_p50=percentile(ttfts([t for t in turns if t.turn == 0]), 50),
+        side_ttft_p50=percentile(ttfts([t for t in ok if t.marker.startswith("side")]), 50),
+        cached_source=cache_source(returning), errors=error_samples(timelines),
+    )

@@ -11,7 +11,7 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from butter.bench.metrics import ArrivalReport, LevelReport, ReplayReport
+from butter.bench.metrics import ArrivalReport, InterleaveReport, LevelReport, ReplayReport
 
 
 def _seconds(value: float | None) -> str:
@@ -140,7 +140,30 @@ def _print_errors(errors: Sequence[str], console: Console) -> None:
         console.print(f"[yellow]error: {error}[/yellow]")
 
 
-def write_json(path: Path, reports: Sequence[LevelReport | ReplayReport | ArrivalReport],
+def interleave_table(r: InterleaveReport) -> Table:
+    out = Table(title=f"butter serve-bench --interleave: {r.conversations} conversations, "
+                      f"{r.side_requests} side requests per answer, {r.turns} turns")
+    columns = ["requests", "errors", "returning prompt tok", "cached share",
+               "returning TTFT p50", "p95", "first-turn TTFT p50", "side TTFT p50"]
+    for column in columns:
+        out.add_column(column, justify="right")
+    share = "-" if r.returning_cached_share is None else f"{r.returning_cached_share:.1%}"
+    out.add_row(str(r.requests), str(r.http_errors), str(r.returning_prompt_tokens), share,
+                _seconds(r.returning_ttft_p50), _seconds(r.returning_ttft_p95),
+                _seconds(r.first_turn_ttft_p50), _seconds(r.side_ttft_p50))
+    return out
+
+
+def print_interleave(report: InterleaveReport, console: Console) -> None:
+    console.print(interleave_table(report))
+    console.print(f"cached prompt tokens read from: {report.cached_source}")
+    _print_errors(report.errors, console)
+
+
+Report = LevelReport | ReplayReport | ArrivalReport | InterleaveReport
+
+
+def write_json(path: Path, reports: Sequence[Report],
                command: Sequence[str], server: dict[str, Any]) -> None:
     """One record per level: the report's fields, `workload` (waves, replay, arrival),
     the command line and the server's /v1/models."""
@@ -149,9 +172,11 @@ def write_json(path: Path, reports: Sequence[LevelReport | ReplayReport | Arriva
     path.write_text(json.dumps(records, indent=2))
 
 
-def workload_name(report: LevelReport | ReplayReport | ArrivalReport) -> str:
+def workload_name(report: Report) -> str:
     if isinstance(report, ReplayReport):
         return "replay"
+    if isinstance(report, InterleaveReport):
+        return "interleave"
     return "arrival" if isinstance(report, ArrivalReport) else "waves"
 
 

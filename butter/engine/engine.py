@@ -27,7 +27,11 @@ from butter.backends.base import (
     CopyPrefix,
     KvOp,
     RemoveTokens,
+    Restored,
+    RestoreSequence,
     Sampled,
+    Saved,
+    SaveSequence,
     Scored,
     SeqWork,
     SetSampler,
@@ -36,6 +40,8 @@ from butter.backends.base import (
 )
 from butter.chat.request import Logprobs
 from butter.engine.admission import Admission, Ticket
+from butter.engine.cells import CellLedger
+from butter.engine.host_cache import HostCache, HostCacheStats, HostEntry, common_prefix_length
 from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
 from butter.errors import ContextLengthExceeded
 from butter.kv import KvWindow
@@ -52,6 +58,13 @@ STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A request that does not name max_tokens reserves its completion in steps of this
 # many cells, growing while the pool has room, instead of the whole context at once.
 RESERVATION_STEP = 1024
+
+# Cached prefixes shorter than this many tokens are not worth a cache's place: an entry
+# is saved to the host-RAM tier only if it holds this many tokens no other entry holds, a
+# restore must save at least this many tokens of prefill, and a cached prompt whose tail
+# beyond a new prompt's match is shorter than this is taken over rather than kept beside
+# it. (The chat template's header, which every prompt shares, is far shorter.)
+MIN_USEFUL_PREFIX = 32
 
 
 T = TypeVar("T")
@@ -90,6 +103,7 @@ class Generation:
     closed: bool = False  # the client left or stopped reading: drop at the next step
     pending: tuple[int, ...] = ()
     decoding: bool = False
+    restoring: bool = False  # its cached prefix is loading from the host-RAM tier
     attached: trio.Event = attrs.field(factory=trio.Event)  # cached_tokens is known
     # The request's other choices: they join once this one's prompt is in the cache (at
     # the engine's next step, always the same one, so a seeded request is reproducible).
@@ -175,10 +189,10 @@ class EngineStats:
     queued: int
     reserved_cells: int
     total_cells: int
-    idle_cached_cells: int
+    idle_cached_cells: int  # cells that only cached prefixes (no running request) hold
     slots: int
     steps: int
-    session_cells: tuple[int, ...]  # cached positions per session (busy or idle)
+    session_cells: tuple[int, ...]  # cached positions per sequence (busy or idle)
     # Prompt tokens a step may carry while sessions decode (PrefillBudget), and at most.
     decoding_prefill_budget: int = 0
     prefill_chunk: int = 0
@@ -187,33 +201,49 @@ class EngineStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prefix_hits: int = 0  # requests that reused a cached prefix of MIN_USEFUL_PREFIX or more
+    prefix_misses: int = 0
+    # The prefix cache now: prompts cached in the KV pool, the cells every sequence holds.
+    cached_entries: int = 0
+    used_cells: int = 0
+    host: HostCacheStats | None = None  # the host-RAM tier (None: off)
 
 
 class EngineStopped(Exception):
     """Raised to requests that wait for admission when the engine stops."""
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+@attrs.frozen(eq=False)
+class Lease:
+    """Where an admitted request's prompt goes, and which cached prefix it starts from."""
+
+    target: Session
+    keep: int  # prompt tokens served from the cache
+    donor: Session | None = None  # shares its first `keep` positions (CopyPrefix)
+    host: HostEntry | None = None  # restored from the host-RAM tier, cut to `keep`
 
 
 class Engine:
     def __init__(
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
         max_queue: int, window: KvWindow | None = None, decode_stall: float = 0.0,
+        cache_ram_bytes: int = 0,
     ) -> None:
         """`decode_stall`: while sessions decode, shrink prompt chunks so that a step
-        carrying one takes about this long (seconds; 0: always `prefill_chunk`)."""
+        carrying one takes about this long (seconds; 0: always `prefill_chunk`).
+        `cache_ram_bytes`: the host-RAM tier's budget for evicted prefixes (0: none)."""
         self.backend = backend
         self.window = window
         self.max_context = max_context
         self.prefill_budget = PrefillBudget(full=prefill_chunk, stall=decode_stall)
         self.admission = Admission(slots=parallel, cells=backend.n_cells, max_queue=max_queue)
-        self._sessions = [Session(seq=i) for i in range(parallel)]
+        # Every sequence id the backend has: `parallel` of them generate at a time, and
+        # any of them may hold a cached prefix while idle.
+        n_seq = max(parallel, backend.n_seq + backend.n_cache_seqs)
+        self._sessions = [Session(seq=i) for i in range(n_seq)]
+        self._cells = CellLedger(shares_cells=backend.shares_prefix_cells)
+        self._host = HostCache(cache_ram_bytes if backend.saves_sequences else 0)
+        self._saving: list[HostEntry] = []  # in the order of this step's SaveSequence ops
         self._joining: list[Generation] = []
         self._ops: list[KvOp] = []
         self._wakeup = trio.Event()
@@ -225,7 +255,8 @@ class Engine:
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last bucket is +Inf
         self._step_seconds = 0.0
         self._totals = dict.fromkeys(
-            ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens"), 0
+            ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens",
+             "prefix_hits", "prefix_misses"), 0
         )
 
     # ------------------------------------------------------------------ requests
@@ -282,22 +313,24 @@ class Engine:
         return EngineStats(
             active=admission.active, queued=admission.queued,
             reserved_cells=admission.reserved_cells, total_cells=admission.total_cells,
-            idle_cached_cells=sum(
-                len(s.kv_tokens) for s in self._sessions if s.generation is None
-            ),
+            idle_cached_cells=self._cells.idle_only,
             slots=admission.slots, steps=self._steps,
             session_cells=tuple(len(s.kv_tokens) for s in self._sessions),
             decoding_prefill_budget=self.prefill_budget.decoding_budget,
             prefill_chunk=self.prefill_budget.full,
+            cached_entries=sum(1 for s in self._sessions if s.generation is None and s.kv_tokens),
+            used_cells=self._cells.used,
+            host=self._host.stats() if self._host.enabled else None,
             **self._totals,
         )
 
     def drop_idle_caches(self) -> None:
-        """Forget every idle session's cached prefix (applied before the next step)."""
+        """Forget every cached prefix, in the KV pool and in host RAM (applied before the
+        next step)."""
         for session in self._sessions:
-            if session.generation is None and session.kv_tokens:
-                self._ops.append(RemoveTokens(session.seq, -1, -1))
-                session.kv_tokens.clear()
+            if session.generation is None:
+                self._forget(session)
+        self._host.clear()
         self._wake()
 
     def _wake(self) -> None:
@@ -328,15 +361,16 @@ class Engine:
 
     async def _step(self, works: list[SeqWork]) -> None:
         ops, self._ops = self._ops, []
+        saving, self._saving = self._saving, []
         started = self.step_started = time.perf_counter()
         try:
             sampled = await _wait_for(self.backend.submit_step(ops, works))
         except BackendError as exc:
-            self._fail_step(works, ops, str(exc))
+            self._fail_step(works, ops, saving, str(exc))
             return
         except Exception as exc:  # a bug in a backend fails this step's requests, not all
             log.exception("engine step failed")
-            self._fail_step(works, ops, f"internal error in the engine step: {exc!r}")
+            self._fail_step(works, ops, saving, f"internal error in the engine step: {exc!r}")
             return
         finally:
             self.step_started = None
@@ -347,6 +381,7 @@ class Engine:
                 prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
                 decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
             )
+        self._record_kv_outcomes(sampled, saving)
         self._record(works, sampled)
 
     def _slide_windows(self) -> None:
@@ -364,6 +399,7 @@ class Engine:
                 self._ops.append(RemoveTokens(session.seq, keep, keep + drop))
                 self._ops.append(ShiftPositions(session.seq, keep + drop, -drop))
                 del session.kv_tokens[keep:keep + drop]
+                self._cells.remove(session.seq, keep, keep + drop)
                 session.exact_prefix = min(keep, session.exact_prefix or keep)
 
     def _observe_step(self, seconds: float) -> None:
@@ -388,7 +424,31 @@ class Engine:
             )
             for s in self._sessions
             if s.generation is not None and not s.generation.closed
+            and not s.generation.restoring
         ]
+
+    def _record_kv_outcomes(self, results: list[StepResult], saving: list[HostEntry]) -> None:
+        """The step's saves go to the host tier; a failed restore prefills instead."""
+        saves = iter(saving)
+        for outcome in results:
+            if isinstance(outcome, Saved):
+                self._host.finish_save(next(saves), outcome.data)
+            elif isinstance(outcome, Restored):
+                self._restored(self._sessions[outcome.seq], outcome.ok)
+
+    def _restored(self, session: Session, ok: bool) -> None:
+        generation = session.generation
+        if not ok:
+            log.warning("a host-RAM prefix could not be restored into seq %d; prefilling it",
+                        session.seq)
+            session.kv_tokens.clear()  # (the backend emptied the sequence)
+            self._cells.clear(session.seq)
+            if generation is not None:
+                generation.cached_tokens = 0
+                generation.pending = generation.prompt
+        if generation is not None:
+            generation.restoring = False
+            generation.attached.set()
 
     def _record(self, works: list[SeqWork], results: list[StepResult]) -> None:
         by_seq = {s.seq: s for s in results if isinstance(s, Sampled)}
@@ -400,6 +460,7 @@ class Engine:
         for work in works:
             session = self._sessions[work.seq]
             session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked
+            self._cells.extend(work.seq, len(work.tokens))
             generation = session.generation
             if generation is None or generation.closed:
                 continue
@@ -436,18 +497,25 @@ class Engine:
         if used < generation.ticket.cells:
             return True
         step = min(RESERVATION_STEP, generation.max_tokens - generation.completion_tokens)
-        return self.admission.try_extend(generation.ticket, step)
+        if not self.admission.try_extend(generation.ticket, step):
+            return False
+        self._make_room(0, None)  # cached prompts may hold the cells it grows into
+        return True
 
-    def _fail_step(self, works: list[SeqWork], ops: list[KvOp], message: str) -> None:
+    def _fail_step(self, works: list[SeqWork], ops: list[KvOp], saving: list[HostEntry],
+                   message: str) -> None:
         # The state of every sequence the step touched is unknown, and some of its ops may
         # not have run (a lease's sampler, an eviction): forget those sequences whole, and
-        # end the requests on them.
+        # end the requests on them. Its saves to the host tier are lost.
+        for entry in saving:
+            self._host.finish_save(entry, None)
         touched = {work.seq for work in works} | {
             op.dst if isinstance(op, CopyPrefix) else op.seq for op in ops}
         for seq in sorted(touched):
             session = self._sessions[seq]
             self._ops.append(RemoveTokens(session.seq, -1, -1))
             session.kv_tokens.clear()
+            self._cells.clear(seq)
             if session.generation is not None:
                 session.generation._finish("error", message)
 
@@ -470,6 +538,7 @@ class Engine:
                 generation._finish("stop")  # no-op unless the client stopped it
                 session.generation = None
                 session.last_used = now
+                self._cells.set_live(session.seq, False)  # a cached prefix from now on
                 # Free the slot now, not when the HTTP response is fully written: a
                 # client that stops reading must not pin a session slot.
                 self.admission.release(generation.ticket)
@@ -480,28 +549,79 @@ class Engine:
         self._totals["prompt_tokens"] += generation.prompt_tokens
         self._totals["cached_tokens"] += generation.cached_tokens
         self._totals["completion_tokens"] += generation.completion_tokens
+        hit = generation.cached_tokens >= MIN_USEFUL_PREFIX
+        self._totals["prefix_hits" if hit else "prefix_misses"] += 1
 
     def _attach_joining(self) -> None:
         while self._joining:
             generation = self._joining.pop(0)
             if generation.closed:
                 continue
-            idle = [s for s in self._sessions if s.generation is None]
-            # Admission grants at most `parallel` tickets, so an idle session exists.
-            self._lease(self._best_session(idle, generation.prompt), generation)
-            self._evict_to_fit()
+            lease = self._plan_lease(generation)
+            if lease.host is not None:  # its cells appear before the cut: room first
+                data = self._host.take(lease.host, lease.keep)
+                self._make_room(len(lease.host.tokens) - lease.keep, lease.target)
+                self._lease(lease, generation, data)
+            else:
+                self._lease(lease, generation)
+                self._make_room(0, lease.target)
 
-    def _best_session(self, idle: list[Session], prompt: Sequence[int]) -> Session:
-        """Longest reusable prefix first, then least recently used."""
-        return max(idle, key=lambda s: (self._reusable(s, prompt), -s.last_used))
+    def _plan_lease(self, generation: Generation) -> Lease:
+        """The cached prefix that serves most of the prompt: a prompt in the KV pool that
+        the new one extends is taken over; part of one (live or idle) is shared with
+        seq_cp into a free sequence, so the cached prompt stays whole for its own return;
+        one in the host-RAM tier is restored when that saves a real prefill."""
+        prompt = generation.prompt
+        if generation.score is not None:  # every prompt token's logits are needed
+            return Lease(self._free_session(None), keep=0)
+        source, keep = self._best_cached(prompt)
+        host, host_keep = self._best_host(prompt)
+        if host is not None and host_keep >= keep + MIN_USEFUL_PREFIX:
+            return Lease(self._free_session(source), keep=host_keep, host=host)
+        if source is None or keep == 0:
+            return Lease(self._free_session(None), keep=0)
+        if source.generation is None and len(source.kv_tokens) - keep < MIN_USEFUL_PREFIX:
+            return Lease(source, keep=keep)  # extends it, or leaves little of it behind
+        target = self._free_session(source)
+        if target is source:  # no other sequence free: the cached prompt is cut back
+            return Lease(source, keep=keep)
+        return Lease(target, keep=keep, donor=source)
+
+    def _best_cached(self, prompt: Sequence[int]) -> tuple[Session | None, int]:
+        """The sequence (idle or busy) whose cache serves the longest prefix of `prompt`;
+        among equals, an idle one, then the most recently used."""
+        best: Session | None = None
+        best_key = (0, False, 0.0)
+        for session in self._sessions:
+            keep = self._reusable(session, prompt)
+            key = (keep, session.generation is None, session.last_used)
+            if keep and key > best_key:
+                best, best_key = session, key
+        return best, best_key[0]
 
     def _reusable(self, session: Session, prompt: Sequence[int]) -> int:
-        """How much of this session's cache the prompt can keep (one token must remain)."""
+        """How much of this sequence's cache the prompt can keep (one token must remain):
+        all of an idle cache it extends; part of one, or a busy one's, only if it can be
+        cut (or copied in part)."""
+        if not session.kv_tokens:
+            return 0
         keep = min(common_prefix_length(session.kv_tokens, prompt), len(prompt) - 1,
                    session.reusable_cache)
-        if keep < len(session.kv_tokens) and not self._can_cut(session):
-            return 0  # only a cache the prompt extends is reusable as it is
+        whole = keep == len(session.kv_tokens) and session.generation is None
+        if not whole and not (self._can_cut(session) and not self.backend.info.is_recurrent):
+            return 0
         return keep
+
+    def _best_host(self, prompt: Sequence[int]) -> tuple[HostEntry | None, int]:
+        best: HostEntry | None = None
+        best_keep = 0
+        for entry in self._host.entries():
+            keep = min(common_prefix_length(entry.tokens, prompt), len(prompt) - 1)
+            if keep < len(entry.tokens) and self.backend.rewind_limit is not None:
+                continue  # (a cache that cannot be cut is only restored whole)
+            if keep > best_keep:
+                best, best_keep = entry, keep
+        return best, best_keep
 
     def _can_cut(self, session: Session) -> bool:
         """Whether this session's cache can be cut back (or copied in part): not recurrent
@@ -509,53 +629,81 @@ class Engine:
         limit = self.backend.rewind_limit
         return limit is None or len(session.kv_tokens) < limit
 
-    def _lease(self, session: Session, generation: Generation) -> None:
-        keep = self._reusable(session, generation.prompt)
-        donor, shared = self._best_donor(session, generation.prompt)
-        if generation.score is not None:  # every prompt token's logits are needed
-            keep = shared = 0
-        if shared > keep:
-            self._ops.append(RemoveTokens(session.seq, -1, -1))
-            self._ops.append(CopyPrefix(donor.seq, session.seq, shared))
-            session.kv_tokens = list(generation.prompt[:shared])
-            keep = shared
+    def _free_session(self, keep: Session | None) -> Session:
+        """An idle sequence for a new prompt: an empty one, else the least recently used
+        cached prompt other than `keep` gives its place (to the host tier if it is worth
+        it); `keep` itself only if there is no other."""
+        idle = [s for s in self._sessions if s.generation is None and s is not keep]
+        if not idle:
+            assert keep is not None  # admission grants at most `parallel` tickets
+            return keep
+        empty = [s for s in idle if not s.kv_tokens]
+        if empty:
+            return empty[0]
+        oldest = min(idle, key=lambda s: s.last_used)
+        self._evict(oldest)
+        return oldest
+
+    def _lease(self, lease: Lease, generation: Generation, restore: bytes = b"") -> None:
+        """Apply the plan; `restore`: the host entry's bytes (already out of the tier)."""
+        session, keep = lease.target, lease.keep
+        if lease.host is not None:
+            self._forget(session)
+            self._ops.append(RestoreSequence(session.seq, restore, keep))
+            session.kv_tokens = list(lease.host.tokens[:keep])
+            self._cells.extend(session.seq, keep)
+            generation.restoring = True
+        elif lease.donor is not None:
+            self._forget(session)
+            self._ops.append(CopyPrefix(lease.donor.seq, session.seq, keep))
+            session.kv_tokens = list(generation.prompt[:keep])
+            self._cells.copy_prefix(lease.donor.seq, session.seq, keep)
         elif keep < len(session.kv_tokens):
-            self._ops.append(RemoveTokens(session.seq, keep if keep else -1, -1))
-            del session.kv_tokens[keep:]
+            if keep == 0:
+                self._forget(session)
+            else:
+                self._ops.append(RemoveTokens(session.seq, keep, -1))
+                del session.kv_tokens[keep:]
+                self._cells.remove(session.seq, keep)
         session.exact_prefix = None  # what is left is exact again
+        self._cells.set_live(session.seq, True)
         self._ops.append(SetSampler(session.seq, generation.params))
         generation.cached_tokens = keep
         generation.pending = generation.prompt[keep:]
         session.generation = generation
-        generation.attached.set()
+        if not generation.restoring:
+            generation.attached.set()
 
-    def _best_donor(
-        self, session: Session, prompt: Sequence[int]
-    ) -> tuple[Session, int]:
-        """Another session (idle or busy) holding a longer prefix, shared by seq_cp."""
-        best, best_length = session, 0
-        if self.backend.info.is_recurrent:
-            return best, 0
-        for other in self._sessions:
-            if other is session or not self._can_cut(other):
-                continue
-            length = min(common_prefix_length(other.kv_tokens, prompt), len(prompt) - 1,
-                         other.reusable_cache)
-            if length > best_length:
-                best, best_length = other, length
-        return best, best_length
-
-    def _evict_to_fit(self) -> None:
-        """Idle caches give way, least recently used first, to live reservations."""
+    def _make_room(self, extra: int, protect: Session | None) -> None:
+        """Cached prefixes give way, least recently used first, until the live
+        reservations, the cells only cached prefixes hold, and `extra` fit in the pool."""
         reserved = self.admission.stats().reserved_cells
-        idle = sorted(
-            (s for s in self._sessions if s.generation is None and s.kv_tokens),
-            key=lambda s: s.last_used,
-        )
-        cached = sum(len(s.kv_tokens) for s in idle)
+        idle = sorted((s for s in self._sessions
+                       if s.generation is None and s.kv_tokens and s is not protect),
+                      key=lambda s: s.last_used)
         for session in idle:
-            if reserved + cached <= self.backend.n_cells:
+            if reserved + self._cells.idle_only + extra <= self.backend.n_cells:
                 return
-            cached -= len(session.kv_tokens)
+            self._evict(session)
+
+    def _evict(self, session: Session) -> None:
+        """Drop a cached prompt from the KV pool, saving it to the host tier first if it
+        holds enough that no other cached prompt does."""
+        exact = session.exact_prefix is None  # (a slid window's cache is no prefix)
+        if self._host.enabled and exact and self._unique_tokens(session) >= MIN_USEFUL_PREFIX:
+            self._ops.append(SaveSequence(session.seq))
+            self._saving.append(self._host.begin_save(session.kv_tokens, session.last_used))
+        self._forget(session)
+
+    def _unique_tokens(self, session: Session) -> int:
+        tokens = session.kv_tokens
+        shared = max((common_prefix_length(other.kv_tokens, tokens)
+                      for other in self._sessions if other is not session), default=0)
+        return len(tokens) - max(shared, self._host.longest_shared(tokens))
+
+    def _forget(self, session: Session) -> None:
+        if session.kv_tokens:
             self._ops.append(RemoveTokens(session.seq, -1, -1))
             session.kv_tokens.clear()
+        self._cells.clear(session.seq)
+        session.exact_prefix = None

@@ -16,7 +16,12 @@ from butter.engine.engine import Engine
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_kv_cache
 from butter.models import resolve_model
-from butter.settings import DEFAULT_CELLS_PER_EXTRA_SESSION, DEFAULT_MAX_CONTEXT_CAP, ServeSettings
+from butter.settings import (
+    DEFAULT_CACHED_PROMPTS,
+    DEFAULT_CELLS_PER_EXTRA_SESSION,
+    DEFAULT_MAX_CONTEXT_CAP,
+    ServeSettings,
+)
 
 log = logging.getLogger("butter")
 
@@ -41,17 +46,28 @@ def is_mlx_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+# llama.cpp's bound on sequence ids (LLAMA_MAX_SEQ), less its scratch sequence.
+MAX_SEQUENCES = 255
+
+
+def cache_sequences(parallel: int) -> int:
+    """Sequence ids for cached prompts beside the `parallel` generating ones."""
+    return max(0, min(DEFAULT_CACHED_PROMPTS, MAX_SEQUENCES - parallel))
+
+
 def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int], int]
                   ) -> Backend:
     kv_type = parse_kv_cache(settings.kv_cache)
+    cache_seqs = cache_sequences(settings.parallel)
     if is_mlx_checkpoint(path):
         from butter.backends.mlx import MlxBackend
 
-        return MlxBackend(path, n_cells=size_pool, n_seq=settings.parallel, kv_type=kv_type)
+        return MlxBackend(path, n_cells=size_pool, n_seq=settings.parallel, kv_type=kv_type,
+                          cache_seqs=cache_seqs)
     from butter.backends.llama_cpp import LlamaCppBackend  # (an MLX-only install has none)
 
     return LlamaCppBackend(
-        path, n_cells=size_pool, n_seq=settings.parallel,
+        path, n_cells=size_pool, n_seq=settings.parallel, cache_seqs=cache_seqs,
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
         kv_type=kv_type, step_shaping=settings.step_shaping, fast_lm_head=settings.fast_lm_head,
         repack=not settings.deterministic, fast_layers=settings.fast_layers,
@@ -75,6 +91,7 @@ class ResidentModel:
             backend, parallel=settings.parallel, max_context=self.max_context,
             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
             window=self.window, decode_stall=settings.decode_stall,
+            cache_ram_bytes=settings.cache_ram_mib * 2**20,
         )
         self.kv_requested = settings.kv_cache
         self.strict_max_tokens = settings.strict_max_tokens
@@ -149,6 +166,29 @@ class ResidentModel:
             "window_size": self.window.size if self.window else None,
             "window_keep": self.window.keep if self.window else None,
             "aura_decode_path": self.aura_decode_path,
+        }
+
+    def prefix_cache_info(self) -> dict[str, Any]:
+        """What /v1/server shows of the prefix cache: its entries in the KV pool and in
+        host RAM, and how often prompts were served from it."""
+        stats = self.engine.stats()
+        host = stats.host
+        per_token = self.backend.kv_bytes_per_token
+        return {
+            "kv_entries": stats.cached_entries,
+            "kv_entry_capacity": len(stats.session_cells),  # sequence ids, busy or idle
+            "kv_cells_used": stats.used_cells,
+            "kv_cells_cached_only": stats.idle_cached_cells,
+            "host_ram": None if host is None else {
+                "entries": host.entries, "bytes": host.bytes, "budget_bytes": host.budget_bytes,
+                "saved": host.saved, "restored": host.restored,
+                "restored_tokens": host.restored_tokens,
+                "bytes_per_token": round(per_token, 1),
+            },
+            "host_ram_unavailable": None if self.backend.saves_sequences else (
+                "this backend keeps no host-RAM tier (on MLX the KV pool is host memory)"),
+            "hits": stats.prefix_hits, "misses": stats.prefix_misses,
+            "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
         }
 
     def close(self) -> None:

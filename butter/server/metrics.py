@@ -37,9 +37,17 @@ class _EngineCollector(Collector):
             "butter_queue_depth": ("Requests waiting for admission", stats.queued),
             "butter_kv_reserved_cells": ("KV cells reserved by live requests",
                                          stats.reserved_cells),
-            "butter_kv_cached_cells": ("KV cells held by idle sessions' caches",
+            "butter_kv_cached_cells": ("KV cells only cached prompts hold (no running request)",
                                        stats.idle_cached_cells),
+            "butter_kv_used_cells": ("KV cells any sequence holds", stats.used_cells),
+            "butter_prefix_cache_entries": ("Cached prompts in the KV pool",
+                                            stats.cached_entries),
         }
+        if stats.host is not None:
+            gauges["butter_host_cache_entries"] = ("Cached prompts in the host-RAM tier",
+                                                   stats.host.entries)
+            gauges["butter_host_cache_bytes"] = ("Bytes the host-RAM tier holds",
+                                                 stats.host.bytes)
         for name, (text, value) in gauges.items():
             yield GaugeMetricFamily(name, text, value=value)
         counters = {
@@ -48,7 +56,18 @@ class _EngineCollector(Collector):
                                      stats.cached_tokens),
             "butter_completion_tokens": ("Generated tokens", stats.completion_tokens),
             "butter_engine_steps": ("Engine steps (one llama_decode each)", stats.steps),
+            "butter_prefix_cache_hits": ("Requests that reused a cached prefix",
+                                         stats.prefix_hits),
+            "butter_prefix_cache_misses": ("Requests that reused no cached prefix",
+                                           stats.prefix_misses),
         }
+        if stats.host is not None:
+            counters["butter_host_cache_restores"] = ("Prefixes restored from host RAM",
+                                                      stats.host.restored)
+            counters["butter_host_cache_restored_tokens"] = (
+                "Prompt tokens restored from host RAM", stats.host.restored_tokens)
+            counters["butter_host_cache_saves"] = ("Prefixes saved to host RAM",
+                                                   stats.host.saved)
         for name, (text, value) in counters.items():
             yield CounterMetricFamily(name, text, value=value)
         buckets, total = engine.step_histogram()

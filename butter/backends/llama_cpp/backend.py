@@ -7,6 +7,7 @@ decode, so the trio loop keeps serving.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -19,12 +20,17 @@ from butter.backends.base import (
     CopyPrefix,
     KvOp,
     RemoveTokens,
+    Restored,
+    RestoreSequence,
+    Saved,
+    SaveSequence,
     SeqWork,
     SetSampler,
     ShiftPositions,
     StepResult,
     apply_kv_ops,
 )
+from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.loading import LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import PROMPT_TILE_ROWS, Stepper
@@ -39,8 +45,10 @@ class LlamaCppBackend:
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
         fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
+        cache_seqs: int = 0,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
+        `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes.
 
         `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
         that applies; `lm_head` then says which one does, and why. `repack`: let llama.cpp
@@ -49,13 +57,17 @@ class LlamaCppBackend:
         `fast_layers`: let butter multiply the layers' Q8_0 matrices inside llama.cpp
         (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
         self.model = LlamaModel(
-            path, n_cells=n_cells, n_seq=n_seq, n_batch=n_batch, threads=threads,
-            kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack, fast_layers=fast_layers,
+            path, n_cells=n_cells, n_seq=n_seq, cache_seqs=cache_seqs, n_batch=n_batch,
+            threads=threads, kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack,
+            fast_layers=fast_layers,
         )
         self.info = self.model.info
         self.kv_type = self.model.kv_type
         self.n_cells = self.model.n_cells
         self.n_seq = n_seq
+        self.n_cache_seqs = cache_seqs
+        self.shares_prefix_cells = True  # seq_cp tags the source's cells (unified cache)
+        self.saves_sequences = True
         self.n_batch = self.model.n_batch
         self.can_shift = self.model.can_shift
         # swa_full keeps sliding-window layers whole, so only recurrent state cannot rewind.
@@ -104,6 +116,8 @@ class LlamaCppBackend:
             "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
             "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
             "weight_repacking": self.model.repack,  # off with --deterministic
+            # llama.cpp buffer types butter took out because they crash (layer_matmul.py)
+            "dropped_buffer_types": list(layer_matmul.dropped_buffer_types),
             # who multiplies the layers' Q8_0 matrices: "butter (...)" or "llama.cpp (why)"
             "layer_matmuls": self.model.layers_by,
             # steps whose decode rows were evaluated apart from a prompt chunk
@@ -132,8 +146,8 @@ class LlamaCppBackend:
         return self._worker.submit(self._step, ops, works)
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
-        apply_kv_ops(self, ops)
-        return self.stepper.run(works)
+        outcomes: list[StepResult] = list(apply_kv_ops(self, ops))
+        return outcomes + self.stepper.run(works)
 
     def remove_tokens(self, op: RemoveTokens) -> None:
         if not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.start, op.end):
@@ -146,6 +160,22 @@ class LlamaCppBackend:
 
     def shift_positions(self, op: ShiftPositions) -> None:
         ll.llama_memory_seq_add(self.model.mem, op.seq, op.start, -1, op.delta)
+
+    def save_sequence(self, op: SaveSequence) -> Saved:
+        ctx = self.model.ctx
+        size = int(ll.llama_state_seq_get_size(ctx, op.seq))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(ll.llama_state_seq_get_data(ctx, buffer, size, op.seq))
+        return Saved(op.seq, bytes(buffer)[:written] if written else None)
+
+    def restore_sequence(self, op: RestoreSequence) -> Restored:
+        ctx, data = self.model.ctx, op.data
+        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        if not ll.llama_state_seq_set_data(ctx, buffer, len(data), op.seq):
+            ll.llama_memory_seq_rm(self.model.mem, op.seq, -1, -1)  # (whatever it loaded)
+            return Restored(op.seq, ok=False)
+        ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1)
+        return Restored(op.seq, ok=True)
 
     def set_sampler(self, op: SetSampler) -> None:
         self.samplers.set(op.seq, op.params)

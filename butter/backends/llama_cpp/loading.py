@@ -79,13 +79,14 @@ class LlamaModel:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None, fast_lm_head: bool, repack: bool = False,
-        fast_layers: bool = True,
+        fast_layers: bool = True, cache_seqs: int = 0,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading)."""
         init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
         self.model: Any
+        repack = repack and not _crashing_buffer_type_listed()
         self.model, self.layers_by = _load_model(path, repack=repack, fast_layers=fast_layers)
         self.repack = repack
         self.ctx: Any = None
@@ -101,14 +102,15 @@ class LlamaModel:
             )
             self._hook = self.lm_head  # referenced by the context (cb_eval) until it is freed
             self.ctx = self._new_context(
-                cells + MIN_PROMPT_ROWS, n_seq + 1, n_batch + MIN_PROMPT_ROWS, threads,
+                cells + MIN_PROMPT_ROWS, n_seq + cache_seqs + 1, n_batch + MIN_PROMPT_ROWS,
+                threads,
             )
         except BaseException:
             self.free()
             raise
         self.mem = ll.llama_get_memory(self.ctx)
         self.n_cells = int(ll.llama_n_ctx(self.ctx)) - MIN_PROMPT_ROWS  # the padding's
-        self.pad_seq = n_seq  # a scratch sequence beyond the sessions' ones
+        self.pad_seq = n_seq + cache_seqs  # a scratch sequence beyond every other one
         self.n_batch = n_batch + MIN_PROMPT_ROWS
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
 
@@ -302,6 +304,21 @@ def relative_rms_error(ours: Any, theirs: Any) -> float:
     scale = float(np.sqrt(np.mean(np.square(centred))))
     diff = (ours - theirs) - (ours - theirs).mean(axis=-1, keepdims=True)
     return float(np.sqrt(np.mean(np.square(diff)))) / max(scale, 1e-12)
+
+
+def _crashing_buffer_type_listed() -> bool:
+    """Whether llama.cpp still offers weights to a buffer type that crashes it (butter's
+    native library takes those out at registration; without it, repacking goes off)."""
+    try:
+        listed = layer_matmul.listed_buffer_type_names()
+    except layer_matmul.Unavailable:
+        return False
+    crashing = [name for name in listed if name.encode() in layer_matmul.CRASHING_BUFFER_TYPES]
+    if crashing:
+        log.warning("llama.cpp's %s buffer type crashes at this llama.cpp version and butter's "
+                    "native library could not take it out: weight repacking is off",
+                    ", ".join(crashing))
+    return bool(crashing)
 
 
 def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str]:

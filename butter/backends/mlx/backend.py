@@ -18,6 +18,10 @@ from butter.backends.base import (
     CopyPrefix,
     KvOp,
     RemoveTokens,
+    Restored,
+    RestoreSequence,
+    Saved,
+    SaveSequence,
     Scored,
     SeqWork,
     SetSampler,
@@ -37,13 +41,18 @@ from butter.sampling import SamplingParams
 
 class MlxBackend:
     def __init__(self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int,
-                 kv_type: KvCacheType | None = None) -> None:
-        """`n_cells` may be a function of the trained context (known only from the config)."""
+                 kv_type: KvCacheType | None = None, cache_seqs: int = 0) -> None:
+        """`n_cells` may be a function of the trained context (known only from the config).
+        `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes."""
         self.model = MlxModel(path, n_cells=n_cells, kv_type=kv_type)
         self.info = self.model.info
         self.kv_type = self.model.kv_type
         self.n_cells = self.model.n_cells
         self.n_seq = n_seq
+        self.n_cache_seqs = cache_seqs
+        self.shares_prefix_cells = False  # a prefix copy is a copy of the arrays
+        # No host-RAM tier: on Apple silicon the KV pool already is host memory.
+        self.saves_sequences = False
         self.can_shift = False
         self.rewind_limit = self.model.rewind_limit
         self.prompt_tile = 1  # mlx evaluates each sequence's prompt on its own
@@ -134,6 +143,12 @@ class MlxBackend:
 
     def set_sampler(self, op: SetSampler) -> None:
         self.samplers.set(op.seq, op.params)
+
+    def save_sequence(self, op: SaveSequence) -> Saved:
+        raise BackendError("MLX caches are not saved to a host tier (saves_sequences)")
+
+    def restore_sequence(self, op: RestoreSequence) -> Restored:
+        raise BackendError("MLX caches are not saved to a host tier (saves_sequences)")
 
     # ------------------------------------------------------------------ teardown
 

@@ -1,0 +1,93 @@
+"""`serve-bench --interleave K`: the traffic a chat UI sends, for prefix caches.
+
+K conversations with long histories take turns, one request at a time; after each answer
+the client sends S short side requests with unrelated prompts (Open WebUI asks for a title
+and tags after every answer; agents send summaries and "small fast model" calls). What
+matters is how much of a returning conversation's prompt the server still has cached, and
+its first token's latency.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import httpx
+
+from butter.bench.client import BenchConfig, sampling_fields, server_info, stream_chat
+from butter.bench.metrics import Timeline
+
+SIDE_MARKER = "side"
+# Words for the synthetic histories: varied enough that a tokenizer gives ~1.3 tokens a word.
+WORDS = ("harbor lantern copper meadow signal orchard granite velvet compass ember river "
+         "paper winter thistle anchor saddle marble pepper canyon violet ledger quartz "
+         "falcon bramble cobalt willow tundra rocket basalt juniper").split()
+SIDE_TASKS = (
+    "### Task:\nGenerate a concise, 3-5 word title with an emoji summarizing the chat.\n"
+    "### Chat history:\n{last}",
+    "### Task:\nGenerate 1-3 broad tags categorizing the main themes of the chat, as JSON.\n"
+    "### Chat history:\n{last}",
+    "### Task:\nSuggest 3 follow-up questions the user might ask next.\n"
+    "### Chat history:\n{last}",
+)
+
+
+@attrs.frozen
+class InterleaveConfig:
+    conversations: int  # K
+    side_requests: int  # S, after each answer
+    history_tokens: int  # about this many tokens in each conversation's first prompt
+    turns: int  # requests per conversation
+    side_max_tokens: int = 16
+
+
+def history_text(conversation: int, tokens: int, run: str) -> str:
+    """A long first message, unique to this conversation and run (about `tokens` tokens)."""
+    lines, words = [f"[{run}-{conversation}] Here are my notes; read them all."], 0
+    n = 0
+    while words * 1.3 < tokens:
+        picked = [WORDS[(n * 7 + i * (conversation + 3)) % len(WORDS)] for i in range(9)]
+        lines.append(f"Note {n}: the {' '.join(picked)}.")
+        words += 12
+        n += 1
+    return "\n".join(lines)
+
+
+def side_messages(index: int, last_user: str) -> list[dict[str, str]]:
+    task = SIDE_TASKS[index % len(SIDE_TASKS)].format(last=last_user[-300:])
+    return [{"role": "user", "content": task}]
+
+
+async def run_interleave(
+    config: BenchConfig, interleave: InterleaveConfig, on_request: Callable[[Timeline], None],
+) -> tuple[dict[str, Any], list[Timeline]]:
+    run = secrets.token_hex(4)  # nothing of an earlier run may be cached
+    histories: list[list[dict[str, str]]] = [
+        [{"role": "user", "content": history_text(k, interleave.history_tokens, run)}]
+        for k in range(interleave.conversations)
+    ]
+    timelines: list[Timeline] = []
+    url = f"{config.base_url}/chat/completions"
+    async with httpx.AsyncClient(timeout=config.timeout) as client:
+        info = await server_info(client, config)
+        for turn in range(interleave.turns):
+            for k, messages in enumerate(histories):
+                if turn:
+                    messages.append({"role": "user", "content": f"Turn {turn}: and then?"})
+                timeline = Timeline(lane=k, wave=0, marker=f"conv{k}", turn=turn)
+                payload = {**sampling_fields(config), "messages": messages,
+                           "max_tokens": config.max_tokens}
+                await stream_chat(client, url, payload, timeline, config.timeout)
+                timelines.append(timeline)
+                on_request(timeline)
+                messages.append({"role": "assistant", "content": timeline.text})
+                for s in range(interleave.side_requests):
+                    side = Timeline(lane=k, wave=0, marker=SIDE_MARKER, turn=turn)
+                    body = {**sampling_fields(config), "max_tokens": interleave.side_max_tokens,
+                            "messages": side_messages(s, messages[-2]["content"])}
+                    await stream_chat(client, url, body, side, config.timeout)
+                    timelines.append(side)
+                    on_request(side)
+    return info, timelines
