@@ -112,6 +112,40 @@ def test_long_arrival_reports_the_prefill_window(server: ServerProcess,
     assert 0 <= record["starved_sessions"] <= 2 and record["longest_stall_s"] is not None
 
 
+@pytest.fixture(scope="module")
+def one_session_server(tiny_gguf: Path) -> Iterator[ServerProcess]:
+    process = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny",
+                             "--max-context", "2048"])  # the default: --parallel 1
+    yield process
+    process.stop()
+
+
+def test_interleaved_conversations_keep_their_caches_amid_side_requests(
+    one_session_server: ServerProcess, tmp_path: Path
+) -> None:
+    server = one_session_server
+    out = tmp_path / "interleave.json"
+    result = bench("--model", "tiny", "--base-url", server.api, "--interleave", "3",
+                   "--side-requests", "2", "--history-tokens", "300", "--turns", "3",
+                   "--max-tokens", "8", "--temperature", "0", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    [record] = json.loads(out.read_text())
+    assert record["workload"] == "interleave"
+    assert (record["requests"], record["http_errors"], record["turns"]) == (27, 0, 3)
+    # Every returning turn finds its conversation cached, up to its previous answer (the
+    # answer's text may tokenize differently from the tokens generated).
+    assert record["returning_cached_share"] > 0.85
+    assert record["returning_prompt_tokens"] > 6 * 300
+    assert record["cached_source"] == CACHE_FROM_USAGE
+    assert "returning" in result.stdout
+    cache = httpx.get(server.api + "/server").json()["prefix_cache"]
+    assert cache["kv_entries"] >= 3 and cache["hits"] >= 6
+    assert cache["host_ram"] is not None and cache["host_ram"]["budget_bytes"] > 0
+    metrics = httpx.get(server.base_url + "/metrics").text
+    assert f"butter_prefix_cache_hits_total {float(cache['hits'])}" in metrics
+    assert "butter_host_cache_bytes" in metrics
+
+
 def test_a_bad_replay_file_is_a_clear_error(tmp_path: Path) -> None:
     replay = tmp_path / "bad.jsonl"
     replay.write_text(json.dumps(conversation(0, 1)) + "\n{not json\n")

@@ -215,3 +215,22 @@ async def test_a_request_cancelled_mid_restore_releases_everything(
     # The restored prefix stayed as a cached prompt, whole and exact.
     warm_text, warm = await run(engine, prompt, max_tokens=16)
     assert warm.cached_tokens == len(prompt) - 1 and warm_text == cold_text
+
+
+async def test_a_prompt_left_idle_through_many_decode_rows_moves_to_host_ram(
+    backend: LlamaCppBackend, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each decode row walks the cached prompts' cells too: one idle long enough goes to RAM.
+    monkeypatch.setattr("butter.engine.engine.IDLE_DECODE_ROWS", 24)
+    prompt = tokenize(backend, conversation("apples"))
+    cold_text, _ = await run(engine, prompt, max_tokens=16)
+    other = tokenize(backend, conversation("boats"))
+    decoded = 0
+    while decoded < 24:  # (a random model may end its answers early)
+        _, generation = await run(engine, other + tokenize(backend, f" {decoded}"), 16)
+        decoded += generation.completion_tokens
+    assert all(p[:len(prompt)] != prompt for p in cached_prompts(engine))
+    warm_text, warm = await run(engine, prompt, max_tokens=16)
+    assert warm.cached_tokens == len(prompt) - 1 and warm_text == cold_text
+    host = engine.stats().host
+    assert host is not None and host.restored == 1

@@ -20,7 +20,7 @@ from butter.bench.client import BenchConfig, sampling_fields, server_info, strea
 from butter.bench.metrics import Timeline
 
 SIDE_MARKER = "side"
-# Words for the synthetic histories: varied enough that a tokenizer gives ~1.3 tokens a word.
+# Words for the synthetic histories (a Gemma or Llama tokenizer gives ~1.5 tokens a word).
 WORDS = ("harbor lantern copper meadow signal orchard granite velvet compass ember river "
          "paper winter thistle anchor saddle marble pepper canyon violet ledger quartz "
          "falcon bramble cobalt willow tundra rocket basalt juniper").split()
@@ -47,7 +47,7 @@ def history_text(conversation: int, tokens: int, run: str) -> str:
     """A long first message, unique to this conversation and run (about `tokens` tokens)."""
     lines, words = [f"[{run}-{conversation}] Here are my notes; read them all."], 0
     n = 0
-    while words * 1.3 < tokens:
+    while words * 1.5 < tokens:
         picked = [WORDS[(n * 7 + i * (conversation + 3)) % len(WORDS)] for i in range(9)]
         lines.append(f"Note {n}: the {' '.join(picked)}.")
         words += 12

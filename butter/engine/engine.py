@@ -66,6 +66,13 @@ RESERVATION_STEP = 1024
 # it. (The chat template's header, which every prompt shares, is far shorter.)
 MIN_USEFUL_PREFIX = 32
 
+# Every decode row's attention walks every cell of the KV pool's window, cached prompts'
+# included (llama.cpp's CPU flash attention skips another sequence's cells one mask check
+# at a time): so with the host-RAM tier on, a cached prompt that stays idle while the
+# engine decodes this many rows moves there, where keeping it costs the steps nothing and
+# a restore is a memory copy (docs/architecture.md, "The prefix cache").
+IDLE_DECODE_ROWS = 256
+
 
 T = TypeVar("T")
 
@@ -176,6 +183,7 @@ class Session:
     # After a window slide, only this many leading cached positions are still exactly
     # what a fresh prefill would compute (the rest attended to dropped tokens).
     exact_prefix: int | None = None
+    idle_since_row: int = 0  # the engine's decode-row count when it was last left idle
 
     @property
     def reusable_cache(self) -> int:
@@ -221,6 +229,7 @@ class Lease:
     keep: int  # prompt tokens served from the cache
     donor: Session | None = None  # shares its first `keep` positions (CopyPrefix)
     host: HostEntry | None = None  # restored from the host-RAM tier, cut to `keep`
+    restore: bytes = attrs.field(default=b"", repr=False)  # its bytes, out of the tier
 
 
 class Engine:
@@ -254,6 +263,7 @@ class Engine:
         self._steps = 0
         self._step_counts = [0] * (len(STEP_BUCKETS) + 1)  # the last bucket is +Inf
         self._step_seconds = 0.0
+        self._decode_rows = 0  # decode rows evaluated since the engine started
         self._totals = dict.fromkeys(
             ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens",
              "prefix_hits", "prefix_misses"), 0
@@ -345,6 +355,7 @@ class Engine:
             while True:
                 self._detach_closed()
                 self._attach_joining()
+                self._age_out_idle()
                 self._slide_windows()
                 pending = self._pending_work()
                 decoding = any(p.decoding and p.pending for p in pending)
@@ -376,6 +387,7 @@ class Engine:
             self.step_started = None
         seconds = time.perf_counter() - started
         self._observe_step(seconds)
+        self._decode_rows += sum(1 for w in works if not w.prompt)
         if self.prefill_budget.adapts:  # (off by default: no counting on every step)
             self.prefill_budget.observe(
                 prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
@@ -538,6 +550,7 @@ class Engine:
                 generation._finish("stop")  # no-op unless the client stopped it
                 session.generation = None
                 session.last_used = now
+                session.idle_since_row = self._decode_rows
                 self._cells.set_live(session.seq, False)  # a cached prefix from now on
                 # Free the slot now, not when the HTTP response is fully written: a
                 # client that stops reading must not pin a session slot.
@@ -559,9 +572,8 @@ class Engine:
                 continue
             lease = self._plan_lease(generation)
             if lease.host is not None:  # its cells appear before the cut: room first
-                data = self._host.take(lease.host, lease.keep)
                 self._make_room(len(lease.host.tokens) - lease.keep, lease.target)
-                self._lease(lease, generation, data)
+                self._lease(lease, generation)
             else:
                 self._lease(lease, generation)
                 self._make_room(0, lease.target)
@@ -577,7 +589,8 @@ class Engine:
         source, keep = self._best_cached(prompt)
         host, host_keep = self._best_host(prompt)
         if host is not None and host_keep >= keep + MIN_USEFUL_PREFIX:
-            return Lease(self._free_session(source), keep=host_keep, host=host)
+            data = self._host.take(host, host_keep)  # (before an eviction could drop it)
+            return Lease(self._free_session(source), keep=host_keep, host=host, restore=data)
         if source is None or keep == 0:
             return Lease(self._free_session(None), keep=0)
         if source.generation is None and len(source.kv_tokens) - keep < MIN_USEFUL_PREFIX:
@@ -593,6 +606,8 @@ class Engine:
         best: Session | None = None
         best_key = (0, False, 0.0)
         for session in self._sessions:
+            if session.generation is not None and session.generation.restoring:
+                continue  # (its restore has not run yet, and may fail)
             keep = self._reusable(session, prompt)
             key = (keep, session.generation is None, session.last_used)
             if keep and key > best_key:
@@ -644,12 +659,11 @@ class Engine:
         self._evict(oldest)
         return oldest
 
-    def _lease(self, lease: Lease, generation: Generation, restore: bytes = b"") -> None:
-        """Apply the plan; `restore`: the host entry's bytes (already out of the tier)."""
+    def _lease(self, lease: Lease, generation: Generation) -> None:
         session, keep = lease.target, lease.keep
         if lease.host is not None:
             self._forget(session)
-            self._ops.append(RestoreSequence(session.seq, restore, keep))
+            self._ops.append(RestoreSequence(session.seq, lease.restore, keep))
             session.kv_tokens = list(lease.host.tokens[:keep])
             self._cells.extend(session.seq, keep)
             generation.restoring = True
@@ -685,6 +699,16 @@ class Engine:
             if reserved + self._cells.idle_only + extra <= self.backend.n_cells:
                 return
             self._evict(session)
+
+    def _age_out_idle(self) -> None:
+        """Cached prompts left idle through IDLE_DECODE_ROWS decode rows go to host RAM."""
+        if not self._host.enabled:
+            return  # (without the tier, keeping them is the only way to keep them)
+        for session in self._sessions:
+            idle_rows = self._decode_rows - session.idle_since_row
+            if session.generation is None and session.kv_tokens and \
+                    idle_rows >= IDLE_DECODE_ROWS:
+                self._evict(session)
 
     def _evict(self, session: Session) -> None:
         """Drop a cached prompt from the KV pool, saving it to the host tier first if it

@@ -166,12 +166,12 @@ class LlamaCppBackend:
         size = int(ll.llama_state_seq_get_size(ctx, op.seq))
         buffer = (ctypes.c_uint8 * size)()
         written = int(ll.llama_state_seq_get_data(ctx, buffer, size, op.seq))
-        return Saved(op.seq, bytes(buffer)[:written] if written else None)
+        return Saved(op.seq, ctypes.string_at(buffer, written) if written else None)
 
     def restore_sequence(self, op: RestoreSequence) -> Restored:
         ctx, data = self.model.ctx, op.data
-        buffer = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        if not ll.llama_state_seq_set_data(ctx, buffer, len(data), op.seq):
+        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy
+        if not ll.llama_state_seq_set_data(ctx, source, len(data), op.seq):
             ll.llama_memory_seq_rm(self.model.mem, op.seq, -1, -1)  # (whatever it loaded)
             return Restored(op.seq, ok=False)
         ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1)

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Prefix caching on a chat UI's traffic, butter vs llama-server, by ``serve-bench --interleave``.
+
+K conversations with long histories take turns, one request at a time, and every answer is
+followed by S short side requests with unrelated prompts (the title and tags Open WebUI
+asks for). Reported per server: the share of a returning turn's prompt served from cache,
+and its TTFT; the first turns' TTFT (a cold prefill) beside it, so that a restore from host
+RAM can be compared with prefilling the same prompt.
+
+Both servers run one at a time, at their defaults except for what makes the run
+comparable: the same context per request (butter --max-context, llama-server -c), one
+slot (butter --parallel 1, llama-server -np 1: the issue's setting; llama-server's
+--cache-ram stays at its default 8192 MiB, butter's --cache-ram at its default), the same
+threads, greedy sampling.
+
+Usage (from the repository root)::
+
+    SERVER_DIR=llama-server-noamx benchmarks/build_llama_server.sh   # (see RESULTS.md)
+    python benchmarks/prefix_cache.py \\
+        --llama-server benchmarks/.build/llama-server-noamx/bin/llama-server \\
+        --markdown /tmp/prefix_cache.md --json /tmp/prefix_cache.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare import (
+    DEFAULT_LLAMA_SERVER_BIN,
+    SERVE_BENCH,
+    ServerSpec,
+    free_port,
+    md_table,
+    run_meta,
+    running_server,
+    wait_ready,
+)
+
+HOST = "127.0.0.1"
+
+
+def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
+    return ServerSpec("butter", [
+        sys.executable, "-m", "butter.cli", "serve", "--model", args.model, "--host", HOST,
+        "--port", str(port), "--parallel", "1", "--threads", str(args.threads),
+        "--max-context", str(context), *args.butter_arg,
+    ], "/health")
+
+
+def llama_server_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
+    return ServerSpec("llama-server", [
+        str(args.llama_server), "-m", args.model_path, "--host", HOST, "--port", str(port),
+        "-np", "1", "-t", str(args.threads), "-c", str(context), "--jinja",
+        *(["--chat-template", "gemma"] if args.gemma_template else []),
+    ], "/health")
+
+
+def interleave(base_url: str, model: str, case: dict[str, Any], out: Path,
+               args: argparse.Namespace) -> dict[str, Any]:
+    import subprocess
+
+    argv = [*SERVE_BENCH, "--model", model, "--base-url", base_url + "/v1",
+            "--interleave", str(case["conversations"]), "--side-requests",
+            str(case["side_requests"]), "--history-tokens", str(case["history_tokens"]),
+            "--turns", str(case["turns"]), "--max-tokens", str(args.max_tokens),
+            "--temperature", "0", "--timeout", "900", "--json", str(out)]
+    subprocess.run(argv, check=True)
+    (record,) = json.loads(out.read_text())
+    return dict(record)
+
+
+def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
+             log_dir: Path) -> dict[str, Any]:
+    port = free_port(HOST)
+    spec = (butter_spec if name == "butter" else llama_server_spec)(args, port, case["context"])
+    base_url = f"http://{HOST}:{port}"
+    label = f"{name}-k{case['conversations']}-h{case['history_tokens']}"
+    with running_server(spec, log_dir / f"{label}.log") as proc:
+        wait_ready(proc, base_url, spec.ready_path, timeout=300)
+        started = time.monotonic()
+        record = interleave(base_url, args.model_id, case, log_dir / f"{label}.json", args)
+        record["wall_s"] = round(time.monotonic() - started, 1)
+    record["server_name"] = name
+    record["case"] = case
+    return record
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def rows(records: Sequence[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for r in records:
+        case = r["case"]
+        share = r["returning_cached_share"]
+        out.append([
+            f"K={case['conversations']}, {case['history_tokens']}-token histories",
+            r["server_name"], "-" if share is None else f"{share:.1%}",
+            fmt(r["returning_ttft_p50"]), fmt(r["returning_ttft_p95"]),
+            fmt(r["first_turn_ttft_p50"]), fmt(r["side_ttft_p50"]),
+            str(r["http_errors"]),
+        ])
+    return out
+
+
+HEADERS = ["workload", "server", "returning prompt cached", "returning TTFT p50 s", "p95 s",
+           "first-turn TTFT p50 s", "side TTFT p50 s", "errors"]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gemma-3-270m", help="butter's --model")
+    parser.add_argument("--model-path", help="the GGUF for llama-server (default: --model "
+                                             "resolved by butter)")
+    parser.add_argument("--model-id", help="the model id sent (default: --model)")
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
+    parser.add_argument("--only", choices=["butter", "llama-server"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--conversations", default="2,4,8")
+    parser.add_argument("--history-tokens", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--side-requests", type=int, default=2)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--long-history-tokens", type=int, default=15000,
+                        help="the Claude-Code-sized case: 2 conversations this long "
+                             "(0: skip it)")
+    parser.add_argument("--gemma-template", action=argparse.BooleanOptionalAction,
+                        default=True, help="llama-server --chat-template gemma (the demo "
+                                           "GGUF has no template of its own)")
+    parser.add_argument("--butter-arg", action="append", default=[],
+                        help="one more butter serve argument (repeatable)")
+    parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-prefix-cache"))
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    if args.model_path is None:
+        from butter.models import resolve_model
+
+        args.model_path = str(resolve_model(args.model))
+    args.model_id = args.model_id or args.model
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cases = [{"conversations": int(k), "side_requests": args.side_requests,
+              "history_tokens": args.history_tokens, "turns": args.turns,
+              "context": args.context} for k in args.conversations.split(",")]
+    if args.long_history_tokens:
+        cases.append({"conversations": 2, "side_requests": args.side_requests,
+                      "history_tokens": args.long_history_tokens, "turns": 3,
+                      "context": 2 ** (args.long_history_tokens + 1024).bit_length()})
+    names = [args.only] if args.only else ["butter", "llama-server"]
+    records = [run_case(name, case, args, args.log_dir) for case in cases for name in names]
+    table = md_table(HEADERS, rows(records))
+    print(table)
+    meta = run_meta()
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "records": records}, indent=2))
+    if args.markdown:
+        args.markdown.write_text(f"{meta['date']}, {meta['machine']}, commit "
+                                 f"{meta['git_commit']}\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
