@@ -58,8 +58,9 @@ def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec
 def llama_server_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
     return ServerSpec("llama-server", [
         str(args.llama_server), "-m", args.model_path, "--host", HOST, "--port", str(port),
-        "-np", "1", "-t", str(args.threads), "-c", str(context), "--jinja",
-        *(["--chat-template", "gemma"] if args.gemma_template else []),
+        "-np", "1", "-t", str(args.threads), "-c", str(context),
+        # (with jinja on, "gemma" would be taken as the template's text: RESULTS.md)
+        *(["--no-jinja", "--chat-template", "gemma"] if args.gemma_template else ["--jinja"]),
     ], "/health")
 
 
@@ -135,8 +136,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the Claude-Code-sized case: 2 conversations this long "
                              "(0: skip it)")
     parser.add_argument("--gemma-template", action=argparse.BooleanOptionalAction,
-                        default=True, help="llama-server --chat-template gemma (the demo "
-                                           "GGUF has no template of its own)")
+                        default=True, help="llama-server --no-jinja --chat-template gemma "
+                                           "(the demo GGUF has no template of its own)")
     parser.add_argument("--butter-arg", action="append", default=[],
                         help="one more butter serve argument (repeatable)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-prefix-cache"))

@@ -319,3 +319,25 @@ def test_a_ggml_the_library_does_not_mirror_is_refused() -> None:
     lib.butter_layer_matmul_mirror(real, ctypes.sizeof(real))
     with pytest.raises(Unavailable, match="tensor size"):
         layer_matmul._check_mirror(_MirrorOf(lib, int(real[0]) + 8), base, cpu)
+
+
+def test_no_buffer_type_that_crashes_llama_cpp_is_offered_weights(demo_gguf: Path) -> None:
+    # On CPUs with AMX-INT8 a native llama.cpp build lists its AMX buffer type, whose
+    # decodes crash this llama.cpp (SIGSEGV): butter takes it out at registration, and the
+    # demo model then decodes on the repacked kernels. Elsewhere there is none to take out.
+    listed = layer_matmul.listed_buffer_type_names()
+    assert not set(listed) & {name.decode() for name in layer_matmul.CRASHING_BUFFER_TYPES}
+    system = ll.llama_print_system_info().decode()
+    if "AMX_INT8 = 1" in system:
+        assert layer_matmul.dropped_buffer_types == ["AMX"]
+    backend = LlamaCppBackend(demo_gguf, n_cells=256, n_seq=1, n_batch=64, threads=2,
+                              repack=True)
+    try:
+        assert backend.model.repack and backend.diagnostics()["dropped_buffer_types"] == (
+            layer_matmul.dropped_buffer_types)
+        tokens = tuple(backend.tokenize("The capital of France is", add_bos=True))
+        (sampled,) = backend.step([SetSampler(0, SamplingParams(temperature=0))],
+                                  [SeqWork(0, tokens, 0, sample=True, prompt=True)])
+        assert sampled.seq == 0
+    finally:
+        backend.close()
