@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compare import (
@@ -89,6 +91,9 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
         started = time.monotonic()
         record = interleave(base_url, args.model_id, case, log_dir / f"{label}.json", args)
         record["wall_s"] = round(time.monotonic() - started, 1)
+        if name == "butter":  # where its cached prompts were served from
+            info = httpx.get(base_url + "/v1/server", timeout=10).json()
+            record["prefix_cache"] = info["prefix_cache"]
     record["server_name"] = name
     record["case"] = case
     return record
@@ -96,6 +101,11 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
 
 def fmt(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def restored(record: dict[str, Any]) -> str:
+    host = (record.get("prefix_cache") or {}).get("host_ram")
+    return "-" if not host else f"{host['restored']} ({host['restored_tokens']} tok)"
 
 
 def rows(records: Sequence[dict[str, Any]]) -> list[list[str]]:
@@ -107,14 +117,14 @@ def rows(records: Sequence[dict[str, Any]]) -> list[list[str]]:
             f"K={case['conversations']}, {case['history_tokens']}-token histories",
             r["server_name"], "-" if share is None else f"{share:.1%}",
             fmt(r["returning_ttft_p50"]), fmt(r["returning_ttft_p95"]),
-            fmt(r["first_turn_ttft_p50"]), fmt(r["side_ttft_p50"]),
+            fmt(r["first_turn_ttft_p50"]), fmt(r["side_ttft_p50"]), restored(r),
             str(r["http_errors"]),
         ])
     return out
 
 
 HEADERS = ["workload", "server", "returning prompt cached", "returning TTFT p50 s", "p95 s",
-           "first-turn TTFT p50 s", "side TTFT p50 s", "errors"]
+           "first-turn TTFT p50 s", "side TTFT p50 s", "butter host restores", "errors"]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -234,3 +234,19 @@ async def test_a_prompt_left_idle_through_many_decode_rows_moves_to_host_ram(
     assert warm.cached_tokens == len(prompt) - 1 and warm_text == cold_text
     host = engine.stats().host
     assert host is not None and host.restored == 1
+
+
+async def test_forks_of_a_conversation_keep_their_shared_stem_once(
+    backend: LlamaCppBackend, engine: Engine
+) -> None:
+    stem = tokenize(backend, conversation("apples"))
+    one = stem + tokenize(backend, " First branch: tell me about the orchards. " * 4)
+    two = stem + tokenize(backend, " Second branch: tell me about the markets. " * 4)
+    await run(engine, one)
+    _, forked = await run(engine, two)
+    shared = forked.cached_tokens
+    assert shared >= len(stem)
+    held = cached_prompts(engine)
+    assert len(held) == 2 and {tuple(p[:len(one)]) for p in held} >= {tuple(one)}
+    # Both branches stay cached; the stem's cells are held once, by both.
+    assert engine.stats().used_cells == sum(map(len, held)) - shared

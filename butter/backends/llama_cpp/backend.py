@@ -65,7 +65,7 @@ class LlamaCppBackend:
         self.kv_type = self.model.kv_type
         self.n_cells = self.model.n_cells
         self.n_seq = n_seq
-        self.n_cache_seqs = cache_seqs
+        self.n_cache_seqs = self.model.cache_seqs  # (at most what a batch's rows allow)
         self.shares_prefix_cells = True  # seq_cp tags the source's cells (unified cache)
         self.saves_sequences = True
         self.n_batch = self.model.n_batch

@@ -101,6 +101,10 @@ class LlamaModel:
                 n_vocab=self.info.n_vocab, recurrent=self.info.is_recurrent,
             )
             self._hook = self.lm_head  # referenced by the context (cb_eval) until it is freed
+            # llama.cpp sizes its worst-case graph with one token per sequence at least:
+            # more sequences than a batch's rows make it reserve past the batch and abort.
+            cache_seqs = max(0, min(cache_seqs, n_batch + MIN_PROMPT_ROWS - n_seq - 1))
+            self.cache_seqs = cache_seqs
             self.ctx = self._new_context(
                 cells + MIN_PROMPT_ROWS, n_seq + cache_seqs + 1, n_batch + MIN_PROMPT_ROWS,
                 threads,
