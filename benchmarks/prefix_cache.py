@@ -43,6 +43,7 @@ from compare import (
     md_table,
     run_meta,
     running_server,
+    served_model_id,
     wait_ready,
 )
 
@@ -89,7 +90,8 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
     with running_server(spec, log_dir / f"{label}.log") as proc:
         wait_ready(proc, base_url, spec.ready_path, timeout=300)
         started = time.monotonic()
-        record = interleave(base_url, args.model_id, case, log_dir / f"{label}.json", args)
+        model = args.model_id if name == "butter" else served_model_id(base_url)
+        record = interleave(base_url, model, case, log_dir / f"{label}.json", args)
         record["wall_s"] = round(time.monotonic() - started, 1)
         if name == "butter":  # where its cached prompts were served from
             info = httpx.get(base_url + "/v1/server", timeout=10).json()
