@@ -17,9 +17,8 @@ import attrs
 import httpx
 
 from butter.bench.client import BenchConfig, sampling_fields, server_info, stream_chat
-from butter.bench.metrics import Timeline
+from butter.bench.metrics import SIDE_MARKER, Timeline
 
-SIDE_MARKER = "side"
 # Words for the synthetic histories (a Gemma or Llama tokenizer gives ~1.5 tokens a word).
 WORDS = ("harbor lantern copper meadow signal orchard granite velvet compass ember river "
          "paper winter thistle anchor saddle marble pepper canyon violet ledger quartz "

@@ -376,6 +376,8 @@ def arrival_report(
 
 # ---------------------------------------------------------------- interleaved conversations
 
+SIDE_MARKER = "side"  # the marker of `--interleave`'s side requests (conversations: conv<k>)
+
 
 @attrs.frozen
 class InterleaveReport:
@@ -401,7 +403,7 @@ class InterleaveReport:
 def interleave_report(conversations: int, side_requests: int,
                       timelines: Sequence[Timeline]) -> InterleaveReport:
     ok = [t for t in timelines if t.ok]
-    turns = [t for t in ok if not t.marker.startswith("side")]
+    turns = [t for t in ok if t.marker != SIDE_MARKER]
     returning = [t for t in turns if t.turn > 0]
     prompt = sum(t.prompt_tokens for t in returning)
     cached = sum(t.cached_tokens for t in returning)
@@ -418,6 +420,6 @@ def interleave_report(conversations: int, side_requests: int,
         returning_ttft_p50=percentile(ttfts(returning), 50),
         returning_ttft_p95=percentile(ttfts(returning), 95),
         first_turn_ttft_p50=percentile(ttfts([t for t in turns if t.turn == 0]), 50),
-        side_ttft_p50=percentile(ttfts([t for t in ok if t.marker.startswith("side")]), 50),
+        side_ttft_p50=percentile(ttfts([t for t in ok if t.marker == SIDE_MARKER]), 50),
         cached_source=cache_source(returning), errors=error_samples(timelines),
     )
