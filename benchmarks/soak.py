@@ -230,7 +230,7 @@ class Soak:
         host, port = self.base.removeprefix("http://").rsplit(":", 1)
         body = json.dumps({"messages": [{"role": "user", "content": NON_READER_PROMPT}],
                            "max_tokens": 1000, "stream": True}).encode()
-        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: "
+        request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                    f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
         sock = trio.socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

@@ -14,9 +14,11 @@ from butter import settings as defaults
 from butter.bench import command as bench_command
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_aura_decode_path, parse_kv_cache
+from butter.models import ModelCatalog, resolve_model
 from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
-from butter.server.backends import ResidentServeBackend, gguf_precheck
+from butter.server.access import ANY, ApiKeys, is_loopback_name
+from butter.server.backends import ResidentServeBackend
 from butter.server.serve import ServeServer
 from butter.settings import ServeSettings
 
@@ -30,6 +32,10 @@ def _positive(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
     return number
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +110,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=os.environ.get(defaults.API_KEY_ENV),
                        help=f"require this key on every route but /health (Authorization: "
                             f"Bearer KEY or x-api-key: KEY); default: ${defaults.API_KEY_ENV}")
+    serve.add_argument("--api-key-file", metavar="PATH",
+                       help="more keys, one per line (blank lines and # comments skipped), "
+                            "read again on SIGHUP; with --api-key both are accepted")
+    serve.add_argument("--allowed-hosts", action="append", type=_names, default=[],
+                       metavar="NAME[,NAME]",
+                       help="host names this server answers to besides loopback ones, while "
+                            "it listens on a loopback address (DNS rebinding guard); "
+                            "`.example.com` for a domain and its subdomains, `*` for any")
+    serve.add_argument("--cors-origins", action="append", type=_names, default=[],
+                       metavar="ORIGIN[,ORIGIN]",
+                       help="web origins (https://app.example:8443) whose pages may call the "
+                            "server, besides loopback origins; `*` for any (unsafe without "
+                            "an API key)")
     serve.add_argument("--max-body-bytes", type=_positive, default=defaults.DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413 (default %(default)s)")
     serve.add_argument("--body-timeout", type=float,
@@ -142,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a folder of .gguf files that requests may name (e.g. qwen3-0.6b)")
     serve.add_argument("--allow-swap", action=argparse.BooleanOptionalAction, default=True,
                        help="let a request's `model` swap the resident model (default: allow)")
+    serve.add_argument("--allow-model-paths", action="store_true",
+                       help="let a request's `model` name any file path; by default only what "
+                            "GET /v1/models lists: --models-dir, the HuggingFace cache, the "
+                            "demo alias and the boot model's folder")
     serve.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=None,
                        help="default for chat_template_kwargs.enable_thinking when a client "
                             "omits it (templates that support thinking)")
@@ -171,6 +194,10 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         deterministic=args.deterministic,
         shutdown_grace=args.shutdown_grace,
         stream_flush=max(0.0, args.stream_flush_ms / 1000), api_key=args.api_key or None,
+        api_key_file=args.api_key_file,
+        allowed_hosts=tuple(name for names in args.allowed_hosts for name in names),
+        cors_origins=tuple(name for names in args.cors_origins for name in names),
+        allow_model_paths=args.allow_model_paths,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
         body_timeout=args.body_timeout,
         write_timeout=max(0.0, args.write_timeout), max_connections=args.max_connections,
@@ -181,13 +208,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     )
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
 def _log_kv_notes(settings: ServeSettings) -> None:
-    if settings.api_key is None and settings.host not in LOOPBACK_HOSTS:
-        log.warning("listening on %s without --api-key: anyone who can reach it can use it",
-                    settings.host)
     kv_type = parse_kv_cache(settings.kv_cache)
     if kv_type.note:
         log.warning(kv_type.note)
@@ -196,17 +217,61 @@ def _log_kv_notes(settings: ServeSettings) -> None:
                  settings.aura_decode_path)
 
 
+def load_api_keys(settings: ServeSettings) -> ApiKeys:
+    """ValueError (a one-line reason, exit 2) for a key file that cannot be read or
+    holds no key: the operator asked for keys."""
+    try:
+        keys = ApiKeys([settings.api_key] if settings.api_key else [],
+                       key_file=settings.api_key_file)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--api-key-file {settings.api_key_file}: "
+                         f"{getattr(exc, 'strerror', None) or exc}") from None
+    if keys.required and not len(keys):
+        raise ValueError(f"--api-key-file {settings.api_key_file} holds no key")
+    return keys
+
+
+def access_warnings(settings: ServeSettings, keys: ApiKeys) -> list[str]:
+    """What the banner says plainly: who else can use this server."""
+    if keys.required:
+        return []
+    warnings = []
+    if not is_loopback_name(settings.host):
+        warnings.append(f"listening on {settings.host} with no API key: every machine that "
+                        "can reach this port can use the server (--api-key-file)")
+    if ANY in settings.cors_origins:
+        warnings.append("--cors-origins '*' with no API key: every web page this machine's "
+                        "browsers open can use the server")
+    return warnings
+
+
+def model_catalog(settings: ServeSettings) -> ModelCatalog:
+    """What requests may name: the boot model's own id (its alias) and folder, and the
+    places a request's id resolves to (butter/models.py)."""
+    return ModelCatalog(boot_id=settings.alias or settings.model,
+                        boot_path=resolve_model(settings.model, settings.models_dir),
+                        models_dir=settings.models_dir,
+                        allow_paths=settings.allow_model_paths)
+
+
 async def serve_command(settings: ServeSettings) -> None:
     _log_kv_notes(settings)
+    keys = load_api_keys(settings)
+    warnings = access_warnings(settings, keys)
+    for warning in warnings:
+        log.warning(warning)
     model = await LoadedModel.from_settings(settings)  # boot failures end here, in one line
+    catalog = model_catalog(settings)
+    boot_ids = {settings.model, settings.alias or settings.model}
 
     async def load(model_id: str) -> LoadedModel:
-        return await LoadedModel.from_settings(settings, None if model_id == settings.model
-                                               else model_id)
+        if model_id in boot_ids:
+            return await LoadedModel.from_settings(settings)
+        return await LoadedModel.from_settings(settings, model_id, catalog.resolve(model_id))
 
     backend = ResidentServeBackend(
         loader=load, initial=model, initial_model_id=settings.model,
-        allow_swap=settings.allow_swap, precheck=gguf_precheck(settings.models_dir),
+        allow_swap=settings.allow_swap, catalog=catalog,
     )
     # The backend owns it now. This frame lives as long as the server: a reference here
     # kept the boot model's buffers (its packed projection) alive after every swap.
@@ -215,18 +280,21 @@ async def serve_command(settings: ServeSettings) -> None:
         host=settings.host, port=settings.port, backend=backend,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         stream_flush=settings.stream_flush, max_messages=settings.max_messages,
-        api_key=settings.api_key, body_timeout=settings.body_timeout,
+        api_keys=keys, body_timeout=settings.body_timeout,
         write_timeout=settings.write_timeout, max_connections=settings.max_connections,
+        allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins,
     )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(server.shutdown_on_signals)
+            nursery.start_soon(server.reload_keys_on_sighup)
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             # The model's lines are taken before the server listens: a request could swap
             # the model before this task runs again.
             model_lines = _model_lines(backend.current)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
-            _print_banner(model_lines, host, port, server.routes())
+            _print_banner([*model_lines, *(f"  WARNING: {line}" for line in warnings)],
+                          host, port, server.routes())
         log.info("butter stopped")
     finally:
         with trio.CancelScope(shield=True):

@@ -58,6 +58,16 @@ class Unauthorized(ButterError):
     code = "invalid_api_key"
 
 
+class Forbidden(ButterError):
+    """A browser-borne request the server does not take: a Host or Origin it does not
+    answer to (butter/server/access.py)."""
+
+    status = 403
+    openai_type = "invalid_request_error"
+    anthropic_type = "permission_error"
+    code = "forbidden"
+
+
 class ModelNotFound(ButterError):
     status = 404
     openai_type = "invalid_request_error"

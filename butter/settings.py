@@ -119,6 +119,11 @@ class ServeSettings:
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     api_key: str | None = None
+    api_key_file: str | None = None  # more keys, one per line, read again on SIGHUP
+    # Host names a loopback listener answers to, and web origins allowed to call it,
+    # beyond the loopback ones (butter/server/access.py, docs/security.md).
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS  # 0: never abandon a response
@@ -129,6 +134,8 @@ class ServeSettings:
     kv_window_keep: int | None = None
     models_dir: str | None = None
     allow_swap: bool = True
+    # A request's `model` may name any file path, not only what GET /v1/models lists.
+    allow_model_paths: bool = False
     # A max_tokens beyond what the context still holds: clamped to it (False), or refused
     # with a 400 (True). Clamped by default, as llama-server does: agents such as Claude
     # Code ask for 32000 tokens whatever the model's context.

@@ -77,3 +77,25 @@ def test_shutdown_finishes_streams_and_does_not_wait_for_idle_connections(
         assert server.process.wait(grace) == 0
         # Not held until the grace deadline by the idle keep-alive connection.
         assert time.monotonic() - started < grace / 2
+
+
+def test_access_flags_and_the_warnings_the_banner_gives() -> None:
+    from butter.cli import access_warnings, build_parser, settings_from_args
+    from butter.server.access import ApiKeys
+
+    args = build_parser().parse_args([
+        "serve", "--model", "m", "--allowed-hosts", "a.lan, b.lan", "--allowed-hosts", "c",
+        "--cors-origins", "https://ui.example", "--allow-model-paths"])
+    settings = settings_from_args(args)
+    assert settings.allowed_hosts == ("a.lan", "b.lan", "c")
+    assert settings.cors_origins == ("https://ui.example",)
+    assert settings.allow_model_paths
+    defaults = settings_from_args(build_parser().parse_args(["serve", "--model", "m"]))
+    assert (defaults.allowed_hosts, defaults.cors_origins) == ((), ())
+    assert not defaults.allow_model_paths
+    assert access_warnings(defaults, ApiKeys()) == []  # loopback, no key: fine
+    exposed = settings_from_args(build_parser().parse_args(
+        ["serve", "--model", "m", "--host", "0.0.0.0", "--cors-origins", "*"]))
+    warnings = access_warnings(exposed, ApiKeys())
+    assert len(warnings) == 2 and "0.0.0.0" in warnings[0] and "'*'" in warnings[1]
+    assert access_warnings(exposed, ApiKeys(["key"])) == []

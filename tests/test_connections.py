@@ -178,8 +178,9 @@ def streaming_request(max_tokens: int, content: str = "go on", top_logprobs: int
     if top_logprobs:  # ~1.7 KiB of SSE per token at 20, against ~0.2 KiB without
         fields |= {"logprobs": True, "top_logprobs": top_logprobs}
     body = json.dumps(fields).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+            b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode()
+            + b"\r\n\r\n" + body)
 
 
 def non_reader(server: ServerProcess, max_tokens: int, top_logprobs: int = 0) -> socket.socket:
@@ -272,7 +273,7 @@ def test_a_mix_of_hostile_clients_leaves_nothing_behind(
     sockets = [non_reader(server, 2000) for _ in range(2)]
     for _ in range(3):
         half = socket.create_connection(address(server))
-        half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         idle = socket.create_connection(address(server))
         hang_up = socket.create_connection(address(server))
         hang_up.sendall(request)
@@ -298,7 +299,7 @@ def test_connections_past_the_limit_get_503_at_once(tiny_gguf: Path) -> None:
         time.sleep(0.5)  # accepted
         with socket.create_connection(address(server)) as extra:
             extra.settimeout(10)
-            extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            extra.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
             reply = b""
             while chunk := extra.recv(4096):
                 reply += chunk

@@ -160,7 +160,7 @@ def test_cancellation_frees_the_session(contract_server: ServerProcess) -> None:
                            "temperature": 0}).encode()
         stream = await trio.open_tcp_stream(host, int(port))
         await stream.send_all(
-            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}"
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}"
             "\r\n\r\n".encode() + body)
         await stream.receive_some(1000)
         await stream.aclose()

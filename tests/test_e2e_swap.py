@@ -193,7 +193,9 @@ def test_what_routers_and_uis_poll_answers_during_a_swap(swap_server: ServerProc
             assert info["model"]["id"] == old and info["engine"] is not None
     (new, models), (_, counted) = after
     assert models.status_code == 200, models.text
-    assert [card["id"] for card in models.json()["data"]] == [new]
+    cards = models.json()["data"]
+    assert (cards[0]["id"], cards[0]["loaded"]) == (new, True)
+    assert new not in [card["id"] for card in cards[1:]]
     assert counted.status_code == 200, counted.text
     assert counted.json()["input_tokens"] > 0
 

@@ -190,7 +190,7 @@ def _slow_request(base_url: str, body: bytes) -> socket.socket:
     """A chat request whose body is still arriving: in flight, and kept so by the test."""
     host, port = base_url.removeprefix("http://").rsplit(":", 1)
     connection = socket.create_connection((host, int(port)), timeout=30)
-    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: butter\r\n"
+    connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                        b"Content-Type: application/json\r\nAuthorization: Bearer "
                        + API_KEY.encode() + b"\r\nContent-Length: "
                        + str(len(body)).encode() + b"\r\n\r\n" + body[:5])

@@ -74,6 +74,50 @@ def test_fuzzed_json_never_gets_a_5xx(small_server: ServerProcess, body: object,
             assert payload["error"]["message"] and payload["error"]["type"]
 
 
+HOSTS = st.one_of(st.sampled_from(["evil.example", "0.0.0.0", "localhost.evil.example",
+                                    "127.0.0.1.nip.io", "[::]", "192.168.1.5"]),
+                  st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1,
+                          max_size=30))
+ORIGINS = st.one_of(st.sampled_from(["https://evil.example", "null", "http://0.0.0.0:8000",
+                                     "file://", "http://localhost.evil.example"]),
+                    st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=30))
+DISK_IDS = st.sampled_from(["/etc/passwd", "/proc/self/environ", "~/.bashrc", "/etc/hostname",
+                            "/no/such/file", "../../etc/passwd", "/proc/self/cmdline"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
+          derandomize=True)
+@given(host=st.one_of(st.none(), HOSTS), origin=st.one_of(st.none(), ORIGINS),
+       model=st.one_of(st.none(), DISK_IDS), route=st.sampled_from(ROUTES))
+def test_fuzzed_hosts_origins_and_model_paths_are_refused(
+    small_server: ServerProcess, host: str | None, origin: str | None, model: str | None,
+    route: str,
+) -> None:
+    """The probes of docs/security.md, fuzzed: a foreign Host or a web Origin gets 403
+    before anything runs, a file path as `model` gets 404 that names no file; never 5xx,
+    never a byte of a file."""
+    headers = {}
+    if host is not None:
+        headers["Host"] = host
+    if origin is not None:
+        headers["Origin"] = origin
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    if model is not None:
+        body["model"] = model
+    try:
+        response = httpx.post(f"{small_server.base_url}{route}", json=body, headers=headers,
+                              timeout=60)
+    except httpx.LocalProtocolError:  # a header value h11 will not send
+        return
+    assert response.status_code < 500, response.text
+    if host is not None or origin is not None:  # none of them is a loopback name or origin
+        assert response.status_code in (400, 403), (headers, response.text)
+    elif model is not None:
+        assert response.status_code == 404, response.text
+    for leak in ("root:", "magic", "exist", "PATH=", "SHEL"):
+        assert leak not in response.text
+
+
 def test_hostile_bodies_are_4xx(small_server: ServerProcess) -> None:
     url = f"{small_server.api}/chat/completions"
     cases = {
@@ -90,6 +134,14 @@ def test_hostile_bodies_are_4xx(small_server: ServerProcess) -> None:
     for body, status in cases.items():
         response = httpx.post(url, content=body, timeout=30)
         assert response.status_code == status, (body[:80], response.text[:200])
+    # A web page's "simple" request (no preflight), and a request that names a file.
+    chat = b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+    cross_site = httpx.post(url, content=chat, timeout=30, headers={
+        "Content-Type": "text/plain", "Origin": "https://evil.example"})
+    assert cross_site.status_code == 403
+    disk = httpx.post(url, json={"model": "/etc/passwd", "messages": [
+        {"role": "user", "content": "x"}]}, timeout=30)
+    assert disk.status_code == 404 and "root" not in disk.text
     too_big = httpx.post(url, content=b" " * (17 * 1024 * 1024), timeout=60)
     assert too_big.status_code == 413
     assert healthy(small_server)
@@ -100,7 +152,7 @@ async def test_garbage_and_partial_requests_on_the_socket(small_server: ServerPr
     for payload in (b"\x16\x03\x01\x00garbage-tls-hello\r\n\r\n",
                     # h11 checks its limit per read (hypercorn reads 64 KiB at a time), so
                     # a header is refused somewhere between one and two limits: send three.
-                    b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Long: "
+                    b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + b"X-Long: "
                     + b"a" * (3 * DEFAULT_MAX_HEADER_BYTES) + b"\r\n\r\n",
                     b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 100\r\n\r\n{\"mess"):
         stream = await trio.open_tcp_stream(host, int(port))
@@ -167,7 +219,7 @@ async def test_disconnect_storm_leaves_nothing_behind(small_server: ServerProces
     rng = random.Random(7)
     body = json.dumps({"messages": [{"role": "user", "content": "storm " * 40}],
                        "max_tokens": 200, "stream": True}).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     before = _rss_mib(small_server)
 
@@ -261,11 +313,11 @@ async def test_slow_senders_are_cut_off(tiny_gguf: Path) -> None:
     try:
         host, port = server.base_url.removeprefix("http://").split(":")
         headers_only = await trio.open_tcp_stream(host, int(port))
-        await headers_only.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        await headers_only.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         with trio.fail_after(15):
             assert await headers_only.receive_some(1024) == b""  # closed by the server
         slow_body = await trio.open_tcp_stream(host, int(port))
-        await slow_body.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        await slow_body.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
                                  b"Content-Type: application/json\r\nContent-Length: 500\r\n"
                                  b"\r\n{\"messages\"")
         reply = b""
@@ -286,8 +338,8 @@ async def test_idle_keep_alive_connections_are_closed(small_server: ServerProces
     host, port = small_server.base_url.removeprefix("http://").split(":")
     body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                        "stream": True}).encode()
-    requests = [b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n",
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: "
+    requests = [b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n",
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
                 + str(len(body)).encode() + b"\r\n\r\n" + body]
 
     async def answered_then_closed(request: bytes) -> None:

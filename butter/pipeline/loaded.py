@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Self
 
 import trio
@@ -28,10 +29,11 @@ class LoadedModel:
         trio.lowlevel.spawn_system_task(self._run_engine, name=f"butter engine {self.id}")
 
     @classmethod
-    async def from_settings(cls, settings: ServeSettings, model: str | None = None) -> Self:
+    async def from_settings(cls, settings: ServeSettings, model: str | None = None,
+                            path: Path | None = None) -> Self:
         """Load `model` (default: settings.model) in a worker thread; the trio loop keeps
-        running meanwhile."""
-        return cls(await ResidentModel.load(settings, model))
+        running meanwhile. `path`: the file `model` names, where resolved already."""
+        return cls(await ResidentModel.load(settings, model, path))
 
     @property
     def id(self) -> str:

@@ -98,11 +98,13 @@ class ResidentModel:
         self.aura_decode_path = settings.aura_decode_path
 
     @classmethod
-    def load_sync(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
-        """Resolve, load and size the model (blocking: call from a worker thread)."""
+    def load_sync(cls, settings: ServeSettings, model_id: str | None = None,
+                  path: Path | None = None) -> ResidentModel:
+        """Resolve, load and size the model (blocking: call from a worker thread).
+        `path`: where `model_id` was resolved already (a request's id, by the catalog)."""
         alias = settings.alias if model_id is None else None
         model_id = model_id or settings.model
-        path = resolve_model(model_id, settings.models_dir)
+        path = path or resolve_model(model_id, settings.models_dir)
         geometry_holder: list[KvGeometry] = []
 
         def size_pool(n_ctx_train: int) -> int:
@@ -128,9 +130,10 @@ class ResidentModel:
         return resident
 
     @classmethod
-    async def load(cls, settings: ServeSettings, model_id: str | None = None) -> ResidentModel:
+    async def load(cls, settings: ServeSettings, model_id: str | None = None,
+                   path: Path | None = None) -> ResidentModel:
         """Load in a worker thread; cancelling the caller waits for the load to finish."""
-        return await trio.to_thread.run_sync(cls.load_sync, settings, model_id)
+        return await trio.to_thread.run_sync(cls.load_sync, settings, model_id, path)
 
     def tokenize_prompt(self, text: str) -> list[int]:
         # Add BOS only when the model wants one and the template did not render it.

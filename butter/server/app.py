@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -20,6 +19,7 @@ from butter.chat.request import GenerationRequest
 from butter.engine.engine import Engine, Generation
 from butter.errors import (
     ButterError,
+    Forbidden,
     InvalidRequest,
     ModelNotFound,
     Overloaded,
@@ -33,6 +33,7 @@ from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
 from butter.protocol import completions as completions_wire
 from butter.server import chat_completions, completions, messages
+from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
 from butter.server.readiness import LIVE_PATH, READY_PATH, Readiness, current_load
@@ -58,7 +59,8 @@ class HttpLimits:
     max_messages: int = DEFAULT_MAX_MESSAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     stream_flush: float = 0.0
-    api_key: str | None = None
+    api_keys: ApiKeys = attrs.field(factory=ApiKeys)  # none: no key needed
+    access: AccessPolicy = attrs.field(factory=AccessPolicy)  # Host and Origin rules
 
 
 async def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -114,13 +116,47 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(ButterError(f"internal error: {type(error).__name__}"))
 
+    access = limits.access
+    api_keys = limits.api_keys
+    probes = (LIVE_PATH, READY_PATH)  # open to every caller: load balancers, kubelets
+
+    @app.before_request
+    async def check_host_and_origin() -> Response | None:
+        """Before anything runs: a page on another site, or one reached through DNS
+        rebinding, must not drive the server (butter/server/access.py)."""
+        if request.path in probes:
+            return None
+        host = request.headers.get("Host")
+        if not access.host_allowed(host):
+            raise Forbidden(f"this server does not answer to the host name {host!r}; allow "
+                            "it with --allowed-hosts")
+        origin = request.headers.get("Origin")
+        if origin is None:  # not a cross-site browser request: curl, the SDKs, routers
+            return None
+        if not access.origin_allowed(origin, host):
+            raise Forbidden(f"requests from the web origin {origin!r} are not allowed; allow "
+                            "it with --cors-origins")
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return Response(status=204, headers=access.preflight_headers(
+                origin, request.headers.get("Access-Control-Request-Headers"),
+                request.headers.get("Access-Control-Request-Private-Network") == "true"))
+        return None
+
+    @app.after_request
+    async def allow_cross_origin_reads(response: Response) -> Response:
+        origin = request.headers.get("Origin")
+        if (origin is not None and "Access-Control-Allow-Origin" not in response.headers
+                and access.origin_allowed(origin, request.headers.get("Host"))):
+            response.headers.update(access.cors_headers(origin))
+        return response
+
     @app.before_request
     async def check_api_key() -> None:
-        if limits.api_key is None or request.path in (LIVE_PATH, READY_PATH):  # probes
+        if not api_keys.required or request.path in probes:
             return
         bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         given = bearer or request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), limits.api_key.encode()):
+        if not api_keys.accepts(given):
             raise Unauthorized("a valid API key is required (Authorization: Bearer <key> or "
                                "x-api-key: <key>)")
 
@@ -186,7 +222,8 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
     async def list_models() -> Response:
         # During a swap this waits for it, in line with the requests (never starts one).
         resident = await backend.resident_for(None)
-        return _json({"object": "list", "data": [_model_card(resident)]})
+        others = [_unloaded_card(model_id) for model_id in backend.swappable()]
+        return _json({"object": "list", "data": [_model_card(resident), *others]})
 
     @api("GET", "/server")
     async def server_info() -> Response:
@@ -327,12 +364,19 @@ async def _json_body() -> Any:
         raise InvalidRequest("the request body is nested too deeply") from None
 
 
+def _unloaded_card(model_id: str) -> dict[str, Any]:
+    """A model a request may name to swap it in (its context is known once loaded)."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "butter",
+            "loaded": False}
+
+
 def _model_card(resident: ResidentModel) -> dict[str, Any]:
     return {
         "id": resident.model_id,
         "object": "model",
         "created": 0,
         "owned_by": "butter",
+        "loaded": True,
         "max_model_len": resident.max_context,
         "context_length": resident.max_context,
         "meta": resident.metadata(),

@@ -15,13 +15,12 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Protocol
 
 import trio
 
 from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound, NoModelLoaded
-from butter.models import InvalidModelId, check_gguf_file, resolve_model
+from butter.models import InvalidModelId, ModelCatalog, check_gguf_file
 from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
 
@@ -44,6 +43,10 @@ class ServeBackend(Protocol):
         """A model swap is under way (readiness says 503 meanwhile)."""
         ...
 
+    def swappable(self) -> list[str]:
+        """The other ids a request may name to swap the resident model (GET /v1/models)."""
+        ...
+
     async def resident_for(self, model: str | None) -> ResidentModel:
         """The model to serve `model` (None: whichever is resident) once any swap under
         way has ended. Naming another model swaps to it where swapping is allowed, else
@@ -55,11 +58,12 @@ class ServeBackend(Protocol):
     async def aclose(self) -> None: ...
 
 
-def gguf_precheck(models_dir: str | None) -> Callable[[str], None]:
-    """The CLI's check: the id resolves to a readable file with the GGUF magic."""
+def catalog_precheck(catalog: ModelCatalog) -> Callable[[str], None]:
+    """The CLI's check: the id is in the catalog and names a folder with a config.json or
+    a readable file with the GGUF magic."""
 
     def check(model: str) -> None:
-        path = Path(resolve_model(model, models_dir))
+        path = catalog.resolve(model)
         if path.is_dir():
             if not (path / "config.json").is_file():
                 raise ModelLoadError(f"{path} is a folder without config.json")
@@ -102,6 +106,9 @@ class ButterServeBackend:
     def current(self) -> ResidentModel:
         return self.model.resident
 
+    def swappable(self) -> list[str]:
+        return []
+
     async def resident_for(self, model: str | None) -> ResidentModel:
         if model and model not in self.current.names:
             raise _not_served(model, self.current, "")
@@ -120,16 +127,19 @@ class ResidentServeBackend:
     def __init__(
         self, *, loader: Loader, initial_model_id: str | None = None,
         initial: LoadedModel | None = None, allow_swap: bool = True,
-        precheck: Callable[[str], None] | None = None,
+        precheck: Callable[[str], None] | None = None, catalog: ModelCatalog | None = None,
     ) -> None:
         """`precheck(id)` raises ModelLoadError for ids that cannot load, before the old
-        model is unloaded (the CLI checks that the GGUF exists and has the magic)."""
+        model is unloaded (by default, with a catalog: the id is in it, and its GGUF
+        exists and has the magic). `catalog`: what GET /v1/models lists besides the
+        resident model."""
         if initial is None and initial_model_id is None:
             raise ValueError("give initial_model_id (or an initial Model)")
         self._loader = loader
         self._initial_id = initial_model_id or (initial.id if initial else "")
         self._model = initial
-        self._precheck = precheck
+        self._catalog = catalog
+        self._precheck = precheck or (catalog_precheck(catalog) if catalog else None)
         self.allow_swap = allow_swap
         self._lock = trio.Lock()  # FIFO: swaps, and requests waiting for one, go in order
         self.swaps = 0
@@ -144,6 +154,13 @@ class ResidentServeBackend:
     def swapping(self) -> bool:
         # The lock is held from unloading the old model until the new one has loaded.
         return self._lock.locked()
+
+    def swappable(self) -> list[str]:
+        if not self.allow_swap or self._catalog is None:
+            return []
+        resident = self._model.resident.names if self._model is not None else set()
+        return [entry.id for entry in self._catalog.entries() if entry.id not in resident
+                and str(entry.path) not in resident]
 
     async def start(self) -> None:
         if self._model is None:

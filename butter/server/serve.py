@@ -20,6 +20,7 @@ from typing import Any
 import trio
 from hypercorn.config import Config
 
+from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.app import HttpLimits, create_app
 from butter.server.backends import ServeBackend
 from butter.server.connections import ConnectionCollector, Connections, serve_hypercorn
@@ -74,11 +75,20 @@ class ServeServer:
         max_messages: int = DEFAULT_MAX_MESSAGES, api_key: str | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
-        max_connections: int | None = None,
+        max_connections: int | None = None, api_keys: ApiKeys | None = None,
+        allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
     ) -> None:
+        """`api_key` or `api_keys` (several, reloadable): the keys requests must carry.
+        `allowed_hosts`, `cors_origins`: beyond the loopback names and origins that are
+        always allowed (butter/server/access.py)."""
+        if api_keys is None:
+            api_keys = ApiKeys([api_key] if api_key else [])
+        self.api_keys = api_keys
+        self.access = AccessPolicy(bound_host=host, allowed_hosts=allowed_hosts,
+                                   cors_origins=cors_origins)
         self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
-                                 stream_flush=stream_flush, api_key=api_key,
-                                 body_timeout=body_timeout)
+                                 stream_flush=stream_flush, api_keys=api_keys,
+                                 access=self.access, body_timeout=body_timeout)
         self.host = host
         self.port = port
         self.backend = backend
@@ -166,8 +176,18 @@ class ServeServer:
         """Serve until SIGINT/SIGTERM, then shut down gracefully."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.shutdown_on_signals)
+            nursery.start_soon(self.reload_keys_on_sighup)
             await self.serve()
             nursery.cancel_scope.cancel()
+
+    async def reload_keys_on_sighup(self) -> None:
+        """With an --api-key-file: read it again on each SIGHUP (add or revoke keys without
+        a restart). Without one SIGHUP keeps its default meaning."""
+        if self.api_keys.key_file is None or not hasattr(signal, "SIGHUP"):
+            return
+        with trio.open_signal_receiver(signal.SIGHUP) as signals:
+            async for _ in signals:
+                self.api_keys.reload()
 
     async def shutdown_on_signals(self) -> None:
         """The first SIGINT/SIGTERM drains; the default handlers are back meanwhile, so a
