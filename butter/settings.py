@@ -124,6 +124,7 @@ class ServeSettings:
     # beyond the loopback ones (butter/server/access.py, docs/security.md).
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
+    ui: bool = True  # the chat page at / (--no-ui: API clients' answers only)
     stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS
     write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS  # 0: never abandon a response

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -136,3 +138,25 @@ def tiny_server(tiny_gguf: Path) -> Iterator[ServerProcess]:
                             "--max-queue", "2", "--max-context", "2048"])
     yield server
     server.stop()
+
+
+# Debian's Chromium, driven by Playwright (no browser download). As root it needs
+# --no-sandbox; without the background-networking flags it keeps trying to reach Google.
+# --host-resolver-rules maps evil.example to 127.0.0.1: a hostile site, or DNS rebinding,
+# without a network.
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--host-resolver-rules=MAP evil.example 127.0.0.1"]
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """A headless Chromium (Playwright's Browser); skips where none is installed."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Chromium is not installed (apt install chromium)")
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    with playwright_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield chromium
+        chromium.close()

@@ -10,7 +10,6 @@ hostile site's DNS does, without a network.
 from __future__ import annotations
 
 import http.server
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,13 +20,6 @@ import pytest
 
 from tests.conftest import ServerProcess
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason="Chromium is not installed (apt install chromium)")
-
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--host-resolver-rules=MAP evil.example 127.0.0.1"]
 PAGE_TIMEOUT_MS = 60_000
 
 # The page calls the butter URL it is given: a JSON request (preflighted) whose answer it
@@ -83,15 +75,6 @@ def butter(tiny_gguf: Path) -> Iterator[ServerProcess]:
                             "512"])
     yield server
     server.stop()
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    playwright_api = pytest.importorskip("playwright.sync_api")
-    with playwright_api.sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        yield chromium
-        chromium.close()
 
 
 def counter(server: ServerProcess, name: str, **labels: str) -> float:

@@ -13,7 +13,7 @@ import trio
 from prometheus_client.registry import Collector
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, NotFound
 
 from butter.chat.request import GenerationRequest
 from butter.engine.engine import Engine, Generation
@@ -32,7 +32,7 @@ from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
 from butter.protocol import completions as completions_wire
-from butter.server import chat_completions, completions, messages
+from butter.server import chat_completions, completions, messages, ui
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
@@ -61,6 +61,7 @@ class HttpLimits:
     stream_flush: float = 0.0
     api_keys: ApiKeys = attrs.field(factory=ApiKeys)  # none: no key needed
     access: AccessPolicy = attrs.field(factory=AccessPolicy)  # Host and Origin rules
+    ui: bool = True  # the chat page at / for browsers (butter/server/ui.py)
 
 
 async def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -150,9 +151,14 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
             response.headers.update(access.cors_headers(origin))
         return response
 
+    def is_page_file() -> bool:
+        """The chat page's static files: the same for every install, no data in them."""
+        return request.method in ("GET", "HEAD") and (
+            request.path == "/" or request.path.startswith("/ui/"))
+
     @app.before_request
     async def check_api_key() -> None:
-        if not api_keys.required or request.path in probes:
+        if not api_keys.required or request.path in probes or is_page_file():
             return
         bearer = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         given = bearer or request.headers.get("x-api-key", "")
@@ -210,9 +216,21 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
 
     @app.get("/")
     async def root() -> Response:
-        """Clients probe the base URL before their first request (Claude Code sends HEAD;
-        Quart answers HEAD from the GET route)."""
+        """The chat page for browsers. API clients probe the base URL before their first
+        request (Claude Code sends HEAD; Quart answers HEAD from the GET route) and get a
+        line of text, as they always have."""
+        wants_page = request.accept_mimetypes.best_match(["text/plain", "text/html"])
+        if limits.ui and wants_page == "text/html":
+            return Response(ui.page(), mimetype="text/html", headers=ui.PAGE_HEADERS)
         return Response(f"butter {__version__}", mimetype="text/plain")
+
+    @app.get("/ui/<name>")
+    async def ui_file(name: str) -> Response:
+        found = ui.asset(name) if limits.ui else None
+        if found is None:
+            raise NotFound()
+        content, mimetype = found
+        return Response(content, mimetype=mimetype, headers=ui.PAGE_HEADERS)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -77,10 +77,11 @@ class ServeServer:
         write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
         max_connections: int | None = None, api_keys: ApiKeys | None = None,
         allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
+        ui: bool = True,
     ) -> None:
         """`api_key` or `api_keys` (several, reloadable): the keys requests must carry.
         `allowed_hosts`, `cors_origins`: beyond the loopback names and origins that are
-        always allowed (butter/server/access.py)."""
+        always allowed (butter/server/access.py). `ui`: the chat page at / for browsers."""
         if api_keys is None:
             api_keys = ApiKeys([api_key] if api_key else [])
         self.api_keys = api_keys
@@ -88,7 +89,7 @@ class ServeServer:
                                    cors_origins=cors_origins)
         self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
                                  stream_flush=stream_flush, api_keys=api_keys,
-                                 access=self.access, body_timeout=body_timeout)
+                                 access=self.access, body_timeout=body_timeout, ui=ui)
         self.host = host
         self.port = port
         self.backend = backend
