@@ -190,7 +190,7 @@ class ModelCatalog:
         found = [CatalogEntry(self.boot_id, self.boot_path)]
         if self.models_dir:
             found += _folder_entries(Path(self.models_dir).expanduser())
-        if self.boot_path.is_file():
+        if self.boot_path.exists():  # a GGUF file, or an MLX checkpoint's folder
             boot = _real(self.boot_path)
             found += [entry for entry in _folder_entries(self.boot_path.parent)
                       if _real(entry.path) != boot]
