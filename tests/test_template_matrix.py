@@ -1,0 +1,151 @@
+"""Every chat template of llama.cpp's collection (`models/templates/*.jinja`, read from the
+pinned llama-cpp-python sdist) renders what clients send: the conversations below, shaped
+as the OpenAI route shapes them, through butter's template probing and rewrites
+(butter/chat/polyfill.py). A rendered tool call in `<tool_call>` markup parses back to the
+same call."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from butter.chat.markup import CALL_CLOSE, CALL_OPEN, parse_tool_call_body
+from butter.chat.template import ChatTemplate, TemplateChoice
+from butter.protocol import openai
+
+CACHE_DIR = Path(os.environ.get("BUTTER_TEST_CACHE", Path.home() / ".cache" / "butter-tests"))
+TEMPLATES_AT = "vendor/llama.cpp/models/templates/"
+EXPECTED_TEMPLATES = 70  # the collection at the pinned llama.cpp; all of them must render
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+CALL = {"id": "call_abc123", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+TOOL_ROUND = [
+    {"role": "user", "content": "What is the weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_abc123", "content": "Sunny, 21 C"},
+]
+CONVERSATIONS: dict[str, dict[str, Any]] = {
+    "system and user": {"messages": [{"role": "system", "content": "You are brief."},
+                                     {"role": "user", "content": "Hi there"}]},
+    "multi-turn": {"messages": [{"role": "user", "content": "Hi there"},
+                                {"role": "assistant", "content": "Hello!"},
+                                {"role": "user", "content": "How are you?"}]},
+    "inner system": {"messages": [{"role": "user", "content": "Hi there"},
+                                  {"role": "assistant", "content": "Hello!"},
+                                  {"role": "developer", "content": "Answer in French."},
+                                  {"role": "user", "content": "How are you?"}]},
+    "typed and null content": {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi there"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "again"}]}]},
+    "tools offered": {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                      "tools": TOOLS},
+    "a tool round": {"messages": TOOL_ROUND, "tools": TOOLS},
+    "a tool round without tools": {"messages": TOOL_ROUND},
+    "a reasoning history": {"messages": [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "They greet me."},
+        {"role": "user", "content": "What is 2 + 2?"}]},
+}
+
+
+def _extract_templates(sdist: Path, folder: Path) -> None:
+    with tarfile.open(sdist) as archive:
+        for member in archive.getmembers():
+            if TEMPLATES_AT in member.name and member.name.endswith(".jinja"):
+                source = archive.extractfile(member)
+                assert source is not None
+                (folder / Path(member.name).name).write_bytes(source.read())
+
+
+@pytest.fixture(scope="module")
+def templates() -> list[Path]:
+    """The .jinja files of the llama.cpp that llama-cpp-python vendors, from its sdist
+    (pip's cache serves it: installing butter built llama-cpp-python from it)."""
+    version = importlib.metadata.version("llama_cpp_python")
+    folder = CACHE_DIR / f"llama-cpp-templates-{version}"
+    if not any(folder.glob("*.jinja")):
+        folder.mkdir(parents=True, exist_ok=True)
+        download = CACHE_DIR / "sdist"
+        done = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             "--quiet", "-d", str(download), f"llama-cpp-python=={version}"],
+            capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            pytest.skip(f"the llama-cpp-python {version} sdist is not reachable: "
+                        f"{done.stderr.strip()[-300:]}")
+        _extract_templates(next(download.glob(f"llama_cpp_python-{version}.tar.gz")), folder)
+    return sorted(folder.glob("*.jinja"))
+
+
+def render(template: ChatTemplate, body: dict[str, Any]) -> str:
+    request = openai.parse_chat_request({"model": "m", **body})
+    return template.render(openai.template_messages(request),
+                           tools=openai.template_tools(request))
+
+
+def check_tool_round(text: str) -> str | None:
+    """What is wrong with a rendered tool round, if anything."""
+    after_question = text.split("What is the weather in Paris?", 1)[-1]
+    if "Paris" not in after_question or "get_weather" not in after_question:
+        return "the assistant's tool call is missing"
+    if "Sunny, 21 C" not in after_question:
+        return "the tool result is missing"
+    for body in re.findall(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE),
+                           after_question, re.DOTALL):
+        parsed = parse_tool_call_body(body, {"get_weather": TOOLS[0]["function"]["parameters"]})
+        if parsed is not None and parsed != [("get_weather", json.dumps({"city": "Paris"}))]:
+            return f"the rendered call parses back as {parsed}"
+    return None
+
+
+def test_every_template_renders_every_conversation(templates: list[Path]) -> None:
+    assert len(templates) == EXPECTED_TEMPLATES, [path.name for path in templates]
+    failures = []
+    for path in templates:
+        try:
+            template = ChatTemplate(TemplateChoice(path.read_text("utf-8"), path.name),
+                                    bos_token="<s>", eos_token="</s>")
+        except ValueError as exc:
+            failures.append(f"{path.name}: {exc}")
+            continue
+        for name, body in CONVERSATIONS.items():
+            try:
+                text = render(template, body)
+            except Exception as exc:
+                failures.append(f"{path.name} / {name}: {exc}")
+                continue
+            problem = check_tool_round(text) if name.startswith("a tool round") else None
+            if problem:
+                failures.append(f"{path.name} / {name}: {problem}")
+            if name == "inner system" and "Answer in French." not in text:
+                failures.append(f"{path.name} / {name}: the inner system message is missing")
+    assert not failures, "\n".join(failures)
+
+
+def test_capabilities_are_probed_not_assumed(templates: list[Path]) -> None:
+    """The probes tell templates apart: the collection holds every kind."""
+    seen = []
+    for path in templates:
+        template = ChatTemplate(TemplateChoice(path.read_text("utf-8"), path.name),
+                                bos_token="<s>", eos_token="</s>")
+        seen.append(template.capabilities)
+    for field in ("system_role", "tools", "tool_calls", "tool_responses", "null_content"):
+        values = {getattr(caps, field) for caps in seen}
+        assert values == {True, False}, field
+    assert any(caps.string_arguments for caps in seen)
+    assert any(caps.short_tool_call_ids for caps in seen)
+    assert any(caps.tools_list for caps in seen)
