@@ -19,8 +19,11 @@ def client(demo_server: ServerProcess) -> openai.OpenAI:
 def test_health_and_models(demo_server: ServerProcess, client: openai.OpenAI) -> None:
     assert httpx.get(f"{demo_server.base_url}/health").text == "ok"
     models = client.models.list().data
-    assert [m.id for m in models] == ["gemma-3-270m"]
+    assert models[0].id == "gemma-3-270m"  # the resident model first
     card = models[0].model_dump()
+    assert card["loaded"] is True
+    assert all(m.model_dump()["loaded"] is False for m in models[1:])  # what it may swap to
+    assert "gemma-3-270m" not in [m.id for m in models[1:]]
     assert card["max_model_len"] == card["context_length"] > 0
     assert card["meta"]["chat_template"] == "builtin:gemma"  # the demo GGUF has none
 

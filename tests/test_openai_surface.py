@@ -173,9 +173,13 @@ def tiny_client(tiny_gguf: Path) -> Iterator[openai.OpenAI]:
     the comparison below held 170 times out of 170; on the shared server it failed about
     one suite run in three. No host-RAM tier: cached prompts idle through many decode rows
     would move there, which frees their cells, and so moves where the next run's KV lands,
-    between the two compared runs."""
+    between the two compared runs. And --deterministic: with repacked weights a row's
+    logits depend slightly on its place in the batch, and step shaping picks the batch
+    layout by measured time, so the n choices' rows could sit differently in the two runs
+    (this still failed about one CI run in two without it)."""
     server = ServerProcess(["--model", str(tiny_gguf), "--alias", "tiny", "--parallel", "4",
-                            "--max-queue", "2", "--max-context", "2048", "--cache-ram", "0"])
+                            "--max-queue", "2", "--max-context", "2048", "--cache-ram", "0",
+                            "--deterministic"])
     yield openai.OpenAI(base_url=server.api, api_key="unused", max_retries=0, timeout=60)
     server.stop()
 

@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -355,3 +356,21 @@ async def test_idle_keep_alive_connections_are_closed(small_server: ServerProces
     async with trio.open_nursery() as nursery:
         for request in requests:
             nursery.start_soon(answered_then_closed, request)
+
+
+def test_the_request_log_says_stop_for_a_stop_string(small_server: ServerProcess) -> None:
+    body = {"prompt": "The", "max_tokens": 12, "temperature": 0}
+    url = f"{small_server.api}/completions"
+    text = httpx.post(url, json=body, timeout=60).json()["choices"][0]["text"]
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip(), text
+    log_start = len(small_server.output)
+    stopped = httpx.post(url, json={**body, "stop": [stop]}, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stop not in stopped["choices"][0]["text"]
+    deadline = time.monotonic() + 30  # the line is written as the request finishes
+    while not any("/v1/completions finish=" in line for line in small_server.output[log_start:]):
+        assert time.monotonic() < deadline, "no request log line"
+        time.sleep(0.05)
+    line = next(line for line in small_server.output[log_start:] if "finish=" in line)
+    assert "finish=stop" in line, line

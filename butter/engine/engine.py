@@ -146,8 +146,13 @@ class Generation:
                 continue
             yield []
 
-    def close(self) -> None:
+    def close(self, reason: FinishReason | None = None) -> None:
+        """Drop it at the next step: the client left (no reason), or its output ended it
+        (a stop string: "stop"), which the request log then says."""
         self.closed = True
+        if reason is not None and self.finish_reason is None:
+            self.finish_reason = reason
+            self._ready.set()
 
     def take_logprobs(self) -> list[Logprobs]:
         """The logprobs of the tokens whose pieces `pieces` yielded so far, not taken yet

@@ -93,7 +93,7 @@ async def generated_events(
         if logprobs:
             yield LogprobsDelta(tuple(logprobs))
         if assembler.stopped:
-            generation.close()  # the engine drops it before the next step
+            generation.close("stop")  # the engine drops it before the next step
             break
     for event in assembler.finish():
         yield event
