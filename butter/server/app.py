@@ -32,7 +32,8 @@ from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
 from butter.protocol import completions as completions_wire
-from butter.server import chat_completions, completions, messages, ui
+from butter.protocol import ollama as ollama_wire
+from butter.server import chat_completions, completions, messages, ollama, ui
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.backends import ServeBackend
 from butter.server.metrics import Metrics
@@ -50,6 +51,7 @@ request_log = logging.getLogger("butter.requests")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 API_PREFIX = "/v1"
+OLLAMA_PREFIX = "/api/"  # Ollama's native API (butter/protocol/ollama.py)
 RouteHandler = Callable[[], Awaitable[Response]]
 
 
@@ -102,6 +104,9 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         return register
 
     def error_response(error: ButterError) -> Response:
+        if request.path.startswith(OLLAMA_PREFIX):
+            return _json(ollama_wire.error_body(error.message), status=error.status,
+                         headers=error.headers())
         if not is_anthropic():
             return _json(error.openai_body(), status=error.status, headers=error.headers())
         # Anthropic says 529 overloaded_error where OpenAI clients expect 503.
@@ -319,6 +324,69 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         _check_model(resident, chat_request.model)
         prepared = await prepare(resident, openai.generation_request(chat_request))
         return _json({"input_tokens": len(prepared.prompt)})
+
+    # ---- Ollama's native API, for the apps that speak only it
+
+    def ollama_model(name: str | None) -> str | None:
+        """Ollama clients may add the default tag to a listed name."""
+        return name.removesuffix(":latest") if name else name
+
+    def ollama_models(resident: ResidentModel) -> list[ollama_wire.ModelFacts]:
+        return [ollama.model_facts(resident),
+                *(ollama_wire.ModelFacts(id=model_id) for model_id in backend.swappable())]
+
+    @app.get("/api/version")
+    async def ollama_version() -> Response:
+        return _json({"version": ollama_wire.API_VERSION})
+
+    @app.get("/api/tags")
+    async def ollama_tags() -> Response:
+        resident = await backend.resident_for(None)  # waits out a swap, never starts one
+        return _json({"models": [facts.tag() for facts in ollama_models(resident)]})
+
+    @app.get("/api/ps")
+    async def ollama_running() -> Response:
+        resident = await backend.resident_for(None)
+        return _json({"models": [ollama.model_facts(resident).running()]})
+
+    @app.post("/api/show")
+    async def ollama_show() -> Response:
+        model = ollama_model(ollama_wire.parse_model_request(await _json_body()).id)
+        resident = await backend.resident_for(None)
+        found = next((facts for facts in ollama_models(resident) if facts.id == model
+                      or (facts.id == resident.model_id and model in resident.names)), None)
+        if found is None:
+            raise ModelNotFound(f"model {model!r} not found", param="model")
+        return _json(found.show())
+
+    @app.post("/api/chat")
+    async def ollama_chat() -> Response:
+        chat_request = ollama_wire.parse_chat_request(await _json_body())
+        check_messages(len(chat_request.messages))
+        resident = await backend.resident_for(ollama_model(chat_request.model))
+        prepared = await prepare(resident, ollama_wire.chat_generation(chat_request))
+        watch = observer("/api/chat")
+        if not chat_request.stream:
+            return _json(await ollama.chat(resident, prepared, watch))
+        resident.engine.admission.check_queue_room()
+        return Response(ollama.chat_stream(resident, prepared, watch),
+                        mimetype="application/x-ndjson", headers=SSE_HEADERS)
+
+    @app.post("/api/generate")
+    async def ollama_generate() -> Response:
+        generate_request = ollama_wire.parse_generate_request(await _json_body())
+        resident = await backend.resident_for(ollama_model(generate_request.model))
+        if not generate_request.prompt and generate_request.suffix is None:
+            # Ollama's way to load a model: an empty prompt, answered at once.
+            return _json(ollama_wire.generate_body(resident.model_id, "", done=True,
+                                                   reason="load"))
+        prepared = await prepare(resident, ollama_wire.generate_generation(generate_request))
+        watch = observer("/api/generate")
+        if not generate_request.stream:
+            return _json(await ollama.generate(resident, prepared, watch))
+        resident.engine.admission.check_queue_room()
+        return Response(ollama.generate_stream(resident, prepared, watch),
+                        mimetype="application/x-ndjson", headers=SSE_HEADERS)
 
     return app
 
