@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
@@ -207,6 +207,10 @@ class Backend(Protocol):
     def kv_bytes_per_token(self) -> float: ...
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of these tokens, special ones (BOS, end of turn) written out."""
+        ...
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError, a message for the client) what this backend cannot honour,

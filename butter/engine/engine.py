@@ -497,6 +497,8 @@ class Engine:
             generation._finish("length")
             return
         if sampled.end_of_generation:
+            if sampled.logprobs is not None:  # the end token was sampled too: its logprob
+                generation._push(b"", sampled.logprobs)  # counts (an echo's last entry)
             generation._finish("stop")
             return
         generation.completion_tokens += 1

@@ -6,6 +6,8 @@ on a worker thread, so long prompts and big tool schemas never stall other strea
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from butter.backends.base import BackendError
@@ -23,6 +25,8 @@ class PreparedGeneration:
     params: SamplingParams
     max_tokens: int | None  # the request's, clamped to what the context still holds
     starts_in_reasoning: bool  # the template opened a <think> block in the prompt
+    # A token prompt's text (what `echo` returns); None for a text or chat prompt.
+    token_prompt_text: str | None = None
 
 
 def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -33,8 +37,9 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
             return prepare_tokens(resident, request, resident.tokenize_prompt(text),
                                   starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
         if isinstance(request.prompt, TokenPrompt):
-            return prepare_tokens(resident, request, checked_tokens(
-                request.prompt.tokens, resident.backend.info.n_vocab))
+            tokens = checked_tokens(request.prompt.tokens, resident.backend.info.n_vocab)
+            return attrs.evolve(prepare_tokens(resident, request, tokens),
+                                token_prompt_text=resident.backend.detokenize(tokens))
         if request.prompt.suffix is not None:
             return prepare_tokens(resident, request, fill_in_the_middle(
                 resident, request.prompt.text, request.prompt.suffix))
@@ -54,6 +59,21 @@ def fill_in_the_middle(resident: ResidentModel, prefix: str, suffix: str) -> lis
     bos = resident.backend.tokenize("", add_bos=info.add_bos)  # [BOS], or nothing
     text = resident.backend.tokenize
     return [*bos, pre, *text(prefix, add_bos=False), suf, *text(suffix, add_bos=False), mid]
+
+
+def tokenize(resident: ResidentModel, text: str | None, messages: list[dict[str, Any]] | None,
+             *, add_special: bool, with_pieces: bool) -> tuple[list[int], list[str] | None]:
+    """A /tokenize request's tokens, of text or of chat messages through the template
+    (and each token's text, where asked); blocking."""
+    if messages is not None:
+        tokens = resident.tokenize_prompt(render(resident, ChatPrompt(messages)))
+    elif add_special:
+        tokens = resident.tokenize_prompt(text or "")
+    else:
+        tokens = resident.backend.tokenize(text or "", add_bos=False)
+    if not with_pieces:
+        return tokens, None
+    return tokens, [resident.backend.detokenize([token]) for token in tokens]
 
 
 def checked_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:

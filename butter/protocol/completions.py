@@ -103,8 +103,6 @@ def prompts(request: CompletionRequest) -> list[TextPrompt | TokenPrompt]:
                              "ids or a list of such lists, none of them empty", param="prompt")
     if len(found) > MAX_PROMPTS:
         raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
-    if request.echo and any(isinstance(p, TokenPrompt) for p in found):
-        raise InvalidRequest("echo is supported for text prompts", param="echo")
     return found
 
 

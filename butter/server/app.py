@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic, openai
 from butter.protocol import completions as completions_wire
 from butter.protocol import ollama as ollama_wire
+from butter.protocol import tokenizer as tokenizer_wire
 from butter.server import chat_completions, completions, messages, ollama, ui
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.backends import ServeBackend
@@ -324,6 +326,39 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         _check_model(resident, chat_request.model)
         prepared = await prepare(resident, openai.generation_request(chat_request))
         return _json({"input_tokens": len(prepared.prompt)})
+
+    # ---- the tokenizer, as vLLM and llama-server serve it (lm-eval's remote tokenizer)
+
+    @api("POST", "/tokenize")
+    async def tokenize() -> Response:
+        tokenize_request = tokenizer_wire.parse_tokenize_request(await _json_body())
+        resident = await backend.resident_for(None)
+        _check_model(resident, tokenize_request.model)
+        messages = (tokenizer_wire.chat_messages(tokenize_request)
+                    if tokenize_request.messages is not None else None)
+        tokens, pieces = await trio.to_thread.run_sync(functools.partial(
+            preparing.tokenize, resident, tokenize_request.text, messages,
+            add_special=tokenize_request.adds_special,
+            with_pieces=tokenize_request.with_pieces))
+        return _json(tokenizer_wire.tokenize_body(tokens, resident.max_context, pieces))
+
+    @api("POST", "/detokenize")
+    async def detokenize() -> Response:
+        detokenize_request = tokenizer_wire.parse_detokenize_request(await _json_body())
+        resident = await backend.resident_for(None)
+        _check_model(resident, detokenize_request.model)
+        preparing.checked_tokens(tuple(detokenize_request.tokens), resident.backend.info.n_vocab)
+        text = await trio.to_thread.run_sync(resident.backend.detokenize,
+                                             detokenize_request.tokens)
+        return _json(tokenizer_wire.detokenize_body(text))
+
+    @api("GET", "/tokenizer_info")
+    async def tokenizer_info() -> Response:
+        resident = await backend.resident_for(None)
+        info = resident.backend.info
+        return _json(tokenizer_wire.tokenizer_info_body(
+            model=resident.model_id, bos=info.bos_text, eos=info.eos_text, add_bos=info.add_bos,
+            chat_template=resident.template.source, max_model_len=resident.max_context))
 
     # ---- Ollama's native API, for the apps that speak only it
 

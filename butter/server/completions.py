@@ -37,7 +37,11 @@ def new_completion_id() -> str:
 
 def _echo(prepared: PreparedGeneration, echo: bool) -> str:
     prompt = prepared.request.prompt
-    return prompt.text if echo and isinstance(prompt, TextPrompt) else ""
+    if not echo:
+        return ""
+    if isinstance(prompt, TextPrompt):
+        return prompt.text
+    return prepared.token_prompt_text or ""
 
 
 async def complete(

@@ -8,7 +8,7 @@ decode, so the trio loop keeps serving.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,11 @@ class LlamaCppBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        with self._worker.using():
+            pieces = [self.model.piece(token, special=True) for token in tokens]
+        return b"".join(pieces).decode("utf-8", errors="replace")
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError) what this backend cannot honour, before admission."""

@@ -6,7 +6,7 @@ arrays to the thread that built them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,11 @@ class MlxBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        with self._worker.using():
+            text: str = self.model.tokenizer.decode(list(tokens))
+        return text
 
     def check_sampling(self, params: SamplingParams) -> None:
         """Refuse (ValueError) what this backend cannot honour, before admission."""
