@@ -370,6 +370,15 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         return [ollama.model_facts(resident),
                 *(ollama_wire.ModelFacts(id=model_id) for model_id in backend.swappable())]
 
+    async def ollama_answer(resident: ResidentModel, prepared: PreparedGeneration, route: str,
+                            shape: ollama.Shape, *, stream: bool) -> Response:
+        watch = observer(route)
+        if not stream:
+            return _json(await ollama.whole(resident, prepared, watch, shape))
+        resident.engine.admission.check_queue_room()
+        return Response(ollama.stream(resident, prepared, watch, shape),
+                        mimetype="application/x-ndjson", headers=SSE_HEADERS)
+
     @app.get("/api/version")
     async def ollama_version() -> Response:
         return _json({"version": ollama_wire.API_VERSION})
@@ -400,12 +409,8 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         check_messages(len(chat_request.messages))
         resident = await backend.resident_for(ollama_model(chat_request.model))
         prepared = await prepare(resident, ollama_wire.chat_generation(chat_request))
-        watch = observer("/api/chat")
-        if not chat_request.stream:
-            return _json(await ollama.chat(resident, prepared, watch))
-        resident.engine.admission.check_queue_room()
-        return Response(ollama.chat_stream(resident, prepared, watch),
-                        mimetype="application/x-ndjson", headers=SSE_HEADERS)
+        return await ollama_answer(resident, prepared, "/api/chat", ollama.CHAT,
+                                   stream=chat_request.stream)
 
     @app.post("/api/generate")
     async def ollama_generate() -> Response:
@@ -416,12 +421,8 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
             return _json(ollama_wire.generate_body(resident.model_id, "", done=True,
                                                    reason="load"))
         prepared = await prepare(resident, ollama_wire.generate_generation(generate_request))
-        watch = observer("/api/generate")
-        if not generate_request.stream:
-            return _json(await ollama.generate(resident, prepared, watch))
-        resident.engine.admission.check_queue_room()
-        return Response(ollama.generate_stream(resident, prepared, watch),
-                        mimetype="application/x-ndjson", headers=SSE_HEADERS)
+        return await ollama_answer(resident, prepared, "/api/generate", ollama.GENERATE,
+                                   stream=generate_request.stream)
 
     return app
 

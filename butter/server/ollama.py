@@ -4,7 +4,7 @@ body), in Ollama's words (butter/protocol/ollama.py)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import attrs
@@ -62,65 +62,66 @@ def _ns(seconds: float) -> int:
     return max(0, int(seconds * 1e9))
 
 
-async def chat(resident: ResidentModel, prepared: PreparedGeneration,
-               observer: RequestObserver) -> dict[str, Any]:
-    text: list[str] = []
-    thinking: list[str] = []
-    calls: list[tuple[str, str, str]] = []
-    async for piece in _answer(resident, prepared, observer):
-        if isinstance(piece, Ending):
-            message = ollama.chat_message("".join(text), "".join(thinking), tuple(calls))
-            return ollama.chat_body(resident.model_id, message, done=True,
-                                    reason=piece.reason, timings=piece.timings)
-        text.append(piece.text)
-        thinking.append(piece.thinking)
+@attrs.define
+class Collected:
+    """An answer so far: its text, its thinking, its complete tool calls."""
+
+    text: list[str] = attrs.field(factory=list)
+    thinking: list[str] = attrs.field(factory=list)
+    calls: list[tuple[str, str, str]] = attrs.field(factory=list)
+
+    def add(self, piece: Piece) -> None:
+        self.text.append(piece.text)
+        self.thinking.append(piece.thinking)
         if piece.call:
-            calls.append(piece.call)
-    raise AssertionError("an answer always ends")  # pragma: no cover
+            self.calls.append(piece.call)
 
 
-async def chat_stream(resident: ResidentModel, prepared: PreparedGeneration,
-                      observer: RequestObserver) -> AsyncIterator[bytes]:
-    model = resident.model_id
-    try:
-        async for piece in _answer(resident, prepared, observer):
-            if isinstance(piece, Ending):
-                yield ollama.line(ollama.chat_body(model, ollama.chat_message(""), done=True,
-                                                   reason=piece.reason, timings=piece.timings))
-                return
-            calls = (piece.call,) if piece.call else ()
-            message = ollama.chat_message(piece.text, piece.thinking, calls)
-            yield ollama.line(ollama.chat_body(model, message, done=False))
-    except ButterError as exc:  # after the headers went out: Ollama's error line
-        yield ollama.line(ollama.error_body(exc.message))
+@attrs.frozen
+class Shape:
+    """How one route words an answer: a streamed part, and the last (or only) body."""
+
+    part: Callable[[str, Piece], dict[str, Any]]
+    end: Callable[[str, Collected, Ending], dict[str, Any]]
 
 
-async def generate(resident: ResidentModel, prepared: PreparedGeneration,
-                   observer: RequestObserver) -> dict[str, Any]:
-    text: list[str] = []
-    thinking: list[str] = []
+CHAT = Shape(
+    part=lambda model, piece: ollama.chat_body(model, ollama.chat_message(
+        piece.text, piece.thinking, (piece.call,) if piece.call else ()), done=False),
+    end=lambda model, answer, ending: ollama.chat_body(model, ollama.chat_message(
+        "".join(answer.text), "".join(answer.thinking), tuple(answer.calls)), done=True,
+        reason=ending.reason, timings=ending.timings),
+)
+GENERATE = Shape(
+    part=lambda model, piece: ollama.generate_body(model, piece.text, thinking=piece.thinking,
+                                                   done=False),
+    end=lambda model, answer, ending: ollama.generate_body(
+        model, "".join(answer.text), thinking="".join(answer.thinking), done=True,
+        reason=ending.reason, timings=ending.timings),
+)
+
+
+async def whole(resident: ResidentModel, prepared: PreparedGeneration,
+                observer: RequestObserver, shape: Shape) -> dict[str, Any]:
+    answer = Collected()
     async for piece in _answer(resident, prepared, observer):
         if isinstance(piece, Ending):
-            return ollama.generate_body(resident.model_id, "".join(text),
-                                        thinking="".join(thinking), done=True,
-                                        reason=piece.reason, timings=piece.timings)
-        text.append(piece.text)
-        thinking.append(piece.thinking)
+            return shape.end(resident.model_id, answer, piece)
+        answer.add(piece)
     raise AssertionError("an answer always ends")  # pragma: no cover
 
 
-async def generate_stream(resident: ResidentModel, prepared: PreparedGeneration,
-                          observer: RequestObserver) -> AsyncIterator[bytes]:
+async def stream(resident: ResidentModel, prepared: PreparedGeneration,
+                 observer: RequestObserver, shape: Shape) -> AsyncIterator[bytes]:
+    """NDJSON lines; the last one carries the counts, not the text again."""
     model = resident.model_id
     try:
         async for piece in _answer(resident, prepared, observer):
             if isinstance(piece, Ending):
-                yield ollama.line(ollama.generate_body(model, "", done=True, reason=piece.reason,
-                                                       timings=piece.timings))
+                yield ollama.line(shape.end(model, Collected(), piece))
                 return
-            yield ollama.line(ollama.generate_body(model, piece.text, thinking=piece.thinking,
-                                                   done=False))
-    except ButterError as exc:
+            yield ollama.line(shape.part(model, piece))
+    except ButterError as exc:  # after the headers went out: Ollama's error line
         yield ollama.line(ollama.error_body(exc.message))
 
 
