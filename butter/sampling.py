@@ -47,17 +47,23 @@ def random_seed() -> int:
 @attrs.frozen
 class OutputConstraint:
     """The output is JSON that follows a schema: alone, or as exactly one tool call,
-    `<tool_call>\\n{json}\\n</tool_call>`.
+    `<tool_call>\\n{json}\\n</tool_call>`; or text that a GBNF grammar derives.
 
     Built by butter/chat/grammar.py (which owns the markers); each backend compiles it
     into its own grammar engine's form, once per distinct value."""
 
     schema_json: str  # the JSON schema, as JSON text: hashable, so compiled once per value
     tool_call: bool = False
+    # Or a grammar in llama.cpp's GBNF (llama-server's `grammar` field), schema_json "".
+    gbnf: str | None = None
 
     @classmethod
     def of(cls, schema: Mapping[str, Any], *, tool_call: bool = False) -> OutputConstraint:
         return cls(schema_json=json.dumps(schema), tool_call=tool_call)
+
+    @classmethod
+    def of_gbnf(cls, grammar: str) -> OutputConstraint:
+        return cls(schema_json="", gbnf=grammar)
 
     @property
     def schema(self) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -169,3 +171,27 @@ def test_cache_hit_gives_the_same_greedy_tokens_as_cold(client: openai.OpenAI) -
     assert cold.usage.prompt_tokens_details.cached_tokens < 10  # only the turn header
     assert warm.usage.prompt_tokens_details.cached_tokens == cold.usage.prompt_tokens - 1
     assert warm.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_timings_as_llama_server_reports_them(demo_server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 8,
+            "temperature": 0}
+    whole = httpx.post(f"{demo_server.api}/chat/completions", json=body, timeout=120).json()
+    timings, usage = whole["timings"], whole["usage"]
+    assert timings["predicted_n"] == usage["completion_tokens"] == 8
+    assert timings["cache_n"] == usage["prompt_tokens_details"]["cached_tokens"]
+    assert timings["prompt_n"] + timings["cache_n"] == usage["prompt_tokens"]
+    assert timings["predicted_ms"] > 0 and timings["predicted_per_second"] > 0
+    assert timings["prompt_per_token_ms"] * timings["prompt_n"] == pytest.approx(
+        timings["prompt_ms"])
+    finals = []
+    with httpx.stream("POST", f"{demo_server.api}/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                if "timings" in chunk:
+                    finals.append(chunk)
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+    assert finals[0]["timings"]["predicted_n"] == 8
+    assert finals[0]["timings"]["cache_n"] > 0  # the same prompt again, from the cache

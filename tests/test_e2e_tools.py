@@ -254,3 +254,28 @@ def test_a_two_round_tool_loop_on_a_template_without_tool_support(
     again = client.chat.completions.create(  # and without `tools` at all
         model="smollm2-135m", messages=messages, max_tokens=8)  # type: ignore[arg-type]
     assert again.choices[0].message.role == "assistant"
+
+
+def test_a_gbnf_grammar_shapes_the_output(instruct_server: ServerProcess) -> None:
+    """llama-server's `grammar` field, on both OpenAI routes; a bad grammar is a 400."""
+    import httpx
+
+    answer = "root ::= verdict \".\"\nverdict ::= \"yes\" | \"no\""
+    chat = httpx.post(f"{instruct_server.api}/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Is the sky blue?"}], "grammar": answer,
+        "max_tokens": 10}).json()["choices"][0]
+    assert chat["message"]["content"] in ("yes.", "no.") and chat["finish_reason"] == "stop"
+    word = httpx.post(f"{instruct_server.api}/completions", timeout=60, json={
+        "prompt": "The sky is", "grammar": 'root ::= " " [a-z]+ "."', "max_tokens": 12,
+        "temperature": 0}).json()["choices"][0]
+    assert word["text"][0] == " " and word["text"][1:-1].isalpha() and word["text"][-1] == "."
+    for bad, reason in (("root ::= (((", "Expected ')'"), ("root ::= nothing", "'nothing'"),
+                        ('x ::= "a"', "No 'root'")):
+        refused = httpx.post(f"{instruct_server.api}/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "x"}], "grammar": bad})
+        assert refused.status_code == 400, bad
+        assert "invalid GBNF grammar" in refused.text and reason in refused.text
+    both = httpx.post(f"{instruct_server.api}/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "x"}], "grammar": answer,
+        "response_format": {"type": "json_object"}})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "grammar"

@@ -73,6 +73,8 @@ def constraint_grammar(constraint: OutputConstraint,
     it: a string literal, or `<[id]>` for the vocabulary's single token for it (llguidance
     never matches a special token against a literal, and a model emits the marker as that
     token, not spelled out)."""
+    if constraint.gbnf is not None:
+        return gbnf_grammar(constraint.gbnf)
     schema = constraint.schema
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": JSON_OPTIONS}
@@ -83,6 +85,18 @@ def constraint_grammar(constraint: OutputConstraint,
             f"call: {json_rule}\n")
 
 
+def gbnf_grammar(gbnf: str) -> str:
+    """llama.cpp's GBNF as llguidance's Lark; ValueError, for the client, if it is not
+    valid GBNF (a syntax error, a rule used and never defined, no `root`)."""
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        lark: str = gbnf_to_lark(gbnf)
+    except Exception as exc:  # (its parser raises plain Exception for missing rules)
+        raise ValueError(f"invalid GBNF grammar: {exc}") from None
+    return lark
+
+
 def start_matcher(tokenizer: Any, grammar: str) -> Any:
     """A matcher of `grammar` in its start state, to keep and copy (`deep_copy`, about a
     microsecond) for each request; ValueError, for the client, when llguidance refuses it."""
@@ -90,6 +104,8 @@ def start_matcher(tokenizer: Any, grammar: str) -> Any:
 
     matcher = LLMatcher(tokenizer, grammar, log_level=0)
     if matcher.is_error():
+        if "%json" not in grammar:  # a GBNF grammar the converter took, llguidance not
+            raise ValueError(f"cannot use this grammar: {matcher.get_error()[:500]}")
         problem = schema_problem(matcher.get_error())
         raise ValueError(f"cannot turn this JSON schema into a grammar: {problem}")
     return matcher

@@ -83,3 +83,16 @@ class Logprobs:
 
     chosen: TokenLogprob
     top: tuple[TokenLogprob, ...] = ()
+
+
+@attrs.frozen
+class Timings:
+    """How long a generation's prompt and answer took, in llama-server's terms (`timings`
+    on its responses): the prompt tokens evaluated (the cached ones apart) and the answer's
+    tokens, each with its milliseconds. Waiting for a session is in neither."""
+
+    cached_tokens: int
+    prompt_tokens: int  # evaluated, not cached
+    prompt_ms: float
+    predicted_tokens: int
+    predicted_ms: float

@@ -121,6 +121,11 @@ class Generation:
     # evaluated whole, never reused from the cache, and max_tokens may be 0.
     score: int | None = None
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of tokens 1 .. n-1
+    # perf_counter() when it got its KV sequence, sampled its first token, ended: the
+    # `timings` llama-server reports (prompt and generation speed, queueing left out).
+    leased_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
     _ready: trio.Event = attrs.field(factory=trio.Event)
 
     @property
@@ -152,6 +157,7 @@ class Generation:
         self.closed = True
         if reason is not None and self.finish_reason is None:
             self.finish_reason = reason
+            self.finished_at = time.perf_counter()
             self._ready.set()
 
     def take_logprobs(self) -> list[Logprobs]:
@@ -170,6 +176,7 @@ class Generation:
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
+            self.finished_at = time.perf_counter()
         self._ready.set()
         self.attached.set()  # a request that fails before its lease must not wait forever
         for follower in self.followers:  # never joined: they end the same way
@@ -487,6 +494,8 @@ class Engine:
 
     def _accept(self, generation: Generation, sampled: Sampled) -> None:
         generation.decoding = True
+        if generation.first_token_at is None:
+            generation.first_token_at = time.perf_counter()
         if generation.followers:  # its prompt is in the cache now: they can share it
             self._joining.extend(generation.followers)
             generation.followers = []
@@ -691,6 +700,7 @@ class Engine:
         self._ops.append(SetSampler(session.seq, generation.params))
         generation.cached_tokens = keep
         generation.pending = generation.prompt[keep:]
+        generation.leased_at = time.perf_counter()
         session.generation = generation
         if not generation.restoring:
             generation.attached.set()

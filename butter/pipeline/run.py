@@ -10,7 +10,7 @@ import attrs
 import trio
 
 from butter.chat.markup import Event
-from butter.chat.request import FinishReason, Usage
+from butter.chat.request import FinishReason, Timings, Usage
 from butter.engine.engine import EngineStopped, Generation
 from butter.errors import ButterError, ModelReplaced
 from butter.pipeline.output import LogprobsDelta, OutputAssembler
@@ -120,3 +120,16 @@ def usage(generation: Generation, *others: Generation) -> Usage:
         completion_tokens=sum(g.completion_tokens for g in (generation, *others)),
         cached_tokens=generation.cached_tokens,
     )
+
+
+def timings(generation: Generation) -> Timings:
+    """From the engine's timestamps (a generation that never got a session: zeros)."""
+    leased = generation.leased_at
+    first = generation.first_token_at
+    end = generation.finished_at or time.perf_counter()
+    prompt_ms = 0.0 if leased is None or first is None else (first - leased) * 1000
+    predicted_ms = 0.0 if first is None else (end - first) * 1000
+    return Timings(cached_tokens=generation.cached_tokens,
+                   prompt_tokens=generation.prompt_tokens - generation.cached_tokens,
+                   prompt_ms=prompt_ms, predicted_tokens=generation.completion_tokens,
+                   predicted_ms=predicted_ms)

@@ -49,6 +49,7 @@ class CompletionRequest:
     repeat_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     suffix: str | None = None
+    grammar: str | None = None  # llama-server's: GBNF the completion must follow
     best_of: int | None = None
     user: str | None = None
 
@@ -117,7 +118,9 @@ def generation_requests(request: CompletionRequest) -> list[GenerationRequest]:
         "frequency_penalty", "repeat_penalty") if getattr(request, name) is not None}
     sampling = attrs.evolve(SamplingParams(**overrides),  # llama-server's defaults
                             logit_bias=openai.logit_bias(request.logit_bias),
-                            logprobs=request.logprobs)
+                            logprobs=request.logprobs,
+                            grammar=(None if request.grammar is None
+                                     else openai.gbnf_constraint(request.grammar, False)))
     max_tokens = DEFAULT_MAX_TOKENS if request.max_tokens is None else request.max_tokens
     stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
     score = request.logprobs if request.echo else None  # the prompt's logprobs too

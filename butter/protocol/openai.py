@@ -15,6 +15,7 @@ from butter.chat.request import (
     GenerationRequest,
     Logprobs,
     Prompt,
+    Timings,
     TokenLogprob,
     Usage,
 )
@@ -106,6 +107,7 @@ class ChatCompletionRequest:
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's: a GBNF grammar the output must follow
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     logprobs: bool | None = None
@@ -384,6 +386,8 @@ def output_constraint(request: ChatCompletionRequest) -> grammars.OutputConstrai
     if wants_call and wants_json:
         raise InvalidRequest("tool_choice that forces a call cannot be combined with a JSON "
                              "response_format", param="response_format")
+    if request.grammar is not None:
+        return gbnf_constraint(request.grammar, wants_call or wants_json)
     if wants_call:
         if not request.tools:
             raise InvalidRequest("tool_choice requires tools", param="tool_choice")
@@ -396,6 +400,16 @@ def output_constraint(request: ChatCompletionRequest) -> grammars.OutputConstrai
     return grammars.json_schema_grammar((response_format.json_schema or {})["schema"])
 
 
+def gbnf_constraint(grammar: str, constrained_otherwise: bool) -> grammars.OutputConstraint:
+    """llama-server's `grammar` field (GBNF; the backend checks that it is valid)."""
+    if constrained_otherwise:
+        raise InvalidRequest("grammar cannot be combined with a forced tool call or a JSON "
+                             "response_format", param="grammar")
+    if not grammar.strip():
+        raise InvalidRequest("grammar is empty", param="grammar")
+    return grammars.OutputConstraint.of_gbnf(grammar)
+
+
 # ---------------------------------------------------------------- responses
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -405,6 +419,25 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "cached_tokens": usage.cached_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def timings_body(timings: Timings) -> dict[str, Any]:
+    """llama-server's `timings`, which its web UI and several clients read."""
+    def per_token(ms: float, n: int) -> float:
+        return ms / n if n else 0.0
+
+    def per_second(ms: float, n: int) -> float:
+        return n * 1000 / ms if ms > 0 else 0.0
+
+    return {
+        "cache_n": timings.cached_tokens,
+        "prompt_n": timings.prompt_tokens, "prompt_ms": timings.prompt_ms,
+        "prompt_per_token_ms": per_token(timings.prompt_ms, timings.prompt_tokens),
+        "prompt_per_second": per_second(timings.prompt_ms, timings.prompt_tokens),
+        "predicted_n": timings.predicted_tokens, "predicted_ms": timings.predicted_ms,
+        "predicted_per_token_ms": per_token(timings.predicted_ms, timings.predicted_tokens),
+        "predicted_per_second": per_second(timings.predicted_ms, timings.predicted_tokens),
     }
 
 
@@ -447,9 +480,9 @@ def choice_body(index: int, message: dict[str, Any], finish_reason: FinishReason
 
 def completion_body(
     *, completion_id: str, model: str, created: int, choices: list[dict[str, Any]],
-    usage: Usage,
+    usage: Usage, timings: Timings | None = None,
 ) -> dict[str, Any]:
-    return {
+    body = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
@@ -457,14 +490,17 @@ def completion_body(
         "choices": choices,
         "usage": usage_body(usage),
     }
+    if timings is not None:
+        body["timings"] = timings_body(timings)
+    return body
 
 
 def chunk_body(
     *, completion_id: str, model: str, created: int, delta: dict[str, Any],
     finish_reason: FinishReason | None = None, index: int = 0,
-    logprobs: list[Logprobs] | None = None,
+    logprobs: list[Logprobs] | None = None, timings: Timings | None = None,
 ) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
@@ -472,6 +508,9 @@ def chunk_body(
         "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason,
                      "logprobs": None if logprobs is None else logprobs_body(logprobs)}],
     }
+    if timings is not None:  # on a choice's last chunk, as llama-server sends them
+        body["timings"] = timings_body(timings)
+    return body
 
 
 def usage_chunk_body(

@@ -24,6 +24,7 @@ from butter.pipeline.run import (
     finish_reason,
     generated_events,
     running_choices,
+    timings,
     usage,
 )
 from butter.protocol import openai
@@ -51,7 +52,7 @@ async def complete(
                 nursery.start_soon(_collect, prepared, generation, index, choices, observer)
     return openai.completion_body(
         completion_id=new_completion_id(), model=resident.model_id, created=openai.now(),
-        choices=choices, usage=usage(*generations),
+        choices=choices, usage=usage(*generations), timings=timings(generations[0]),
     )
 
 
@@ -94,11 +95,13 @@ async def stream(
     completion_id, created = new_completion_id(), openai.now()
 
     def chunk(delta: dict[str, Any], index: int, reason: FinishReason | None = None,
-              logprobs: LogprobsDelta | None = None) -> bytes:
+              logprobs: LogprobsDelta | None = None,
+              generation: Generation | None = None) -> bytes:
         return data_event(openai.chunk_body(
             completion_id=completion_id, model=resident.model_id, created=created,
             delta=delta, finish_reason=reason, index=index,
             logprobs=None if logprobs is None else list(logprobs.entries),
+            timings=None if generation is None else timings(generation),
         ))
 
     try:
@@ -116,7 +119,8 @@ async def stream(
                     ready = frames.add(frame)
                     if ready:
                         yield ready
-                ready = frames.add(chunk({}, index, finish_reason(generation, assembler)))
+                ready = frames.add(chunk({}, index, finish_reason(generation, assembler),
+                                         generation=generation))
                 if ready:
                     yield ready
     except ButterError as exc:  # after the headers went out: end cleanly, then say why
