@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -279,3 +280,40 @@ def test_a_gbnf_grammar_shapes_the_output(instruct_server: ServerProcess) -> Non
         "messages": [{"role": "user", "content": "x"}], "grammar": answer,
         "response_format": {"type": "json_object"}})
     assert both.status_code == 400 and both.json()["error"]["param"] == "grammar"
+
+
+def test_an_openai_agents_tool_loop(instruct_server: ServerProcess) -> None:
+    """openai-agents (from PyPI), unmodified: round one calls the tool (forced), its result
+    goes back as the SDK sends it, and round two answers (the SDK resets tool_choice)."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city."""
+        calls.append(city)
+        return (f"Sunny, 21 C in {city}. Tell the user this weather in one sentence now; "
+                "do not call any tool again.")
+
+    client = AsyncOpenAI(base_url=instruct_server.api, api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Answer questions about weather using the tool.",
+        tools=[get_weather],
+        model=agents.OpenAIChatCompletionsModel(model="smollm2-135m", openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=64))
+    log_start = len(instruct_server.output)
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert calls == ["Paris"]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    def rounds() -> int:
+        return sum("/v1/chat/completions finish=" in line
+                   for line in instruct_server.output[log_start:])
+
+    deadline = time.monotonic() + 30  # the request log reaches the pipe after the answer
+    while rounds() < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rounds() == 2  # the call, then the answer
