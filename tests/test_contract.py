@@ -206,3 +206,26 @@ def test_mlx_describes_itself(tiny_mlx: Path) -> None:
         assert meta["step_shapes"] is None  # a llama.cpp feature
     finally:
         server.stop()
+
+
+def test_tokenizer_routes_and_ollama_on_both_backends(contract_server: ServerProcess) -> None:
+    """The same answers from either backend: a tokenize / detokenize round trip, echo of a
+    token-id prompt, and Ollama's chat, whole and streamed."""
+    base = contract_server.base_url
+    text = "Hello there, world"
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": text,
+                                                  "add_special_tokens": False}).json()["tokens"]
+    assert tokens
+    assert httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json()["prompt"] == text
+    assert httpx.get(f"{base}/tokenizer_info").json()["chat_template"]
+    echoed = httpx.post(f"{contract_server.api}/completions", json={
+        "prompt": tokens, "echo": True, "max_tokens": 2, "logprobs": 1,
+        "temperature": 0}).json()["choices"][0]
+    assert echoed["text"].startswith(text)
+    assert len(echoed["logprobs"]["token_logprobs"]) == len(tokens) + 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "options": {"num_predict": 3}}
+    whole = httpx.post(f"{base}/api/chat", json={**chat, "stream": False}).json()
+    assert whole["done"] and whole["eval_count"] == 3
+    lines = [json.loads(line) for line in
+             httpx.post(f"{base}/api/chat", json=chat).text.splitlines()]
+    assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
