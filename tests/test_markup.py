@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -147,3 +149,56 @@ def test_any_split_gives_the_non_stream_result(
     text = "".join(segments)
     whole = merged(parse_whole(text, start_in_reasoning=in_reasoning))
     assert merged(parse_split(text, cuts, start_in_reasoning=in_reasoning)) == whole
+
+
+WEATHER_TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"},
+                                                                  "days": {"type": "integer"}}}}
+
+
+def _events_fed(text: str, step: int, **options: Any) -> list[Any]:
+    parser = MarkupParser(WEATHER_TOOLS, **options)
+    events = [event for start in range(0, len(text), step)
+              for event in parser.feed(text[start:start + step])]
+    return events + parser.finish()
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_key_value_calls_in_tool_call_tags(step: int) -> None:
+    """GLM's form: the name, then <arg_key>/<arg_value> pairs typed by the schema."""
+    text = ("Sure.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+            "</arg_value>\n<arg_key>days</arg_key><arg_value>3</arg_value>\n</tool_call>")
+    events = _events_fed(text, step)
+    calls = [event for event in events if isinstance(event, ToolCall)]
+    assert [(call.name, json.loads(call.arguments)) for call in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Sure."
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+@pytest.mark.parametrize(("text", "expected"), [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [{"city": "Paris"}]),
+    (' \n[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+     '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
+     [{"city": "Rome"}, {"city": "Oslo", "days": 2}]),
+])
+def test_bare_json_calls(text: str, expected: list[dict[str, Any]], step: int) -> None:
+    events = _events_fed(text, step, bare_json_calls=True)
+    assert not [event for event in events if isinstance(event, ContentDelta)]
+    assert [json.loads(event.arguments) for event in events] == expected
+
+
+@pytest.mark.parametrize("text", [
+    '{"answer": 42}',  # JSON, not a call
+    '{"name": "send_mail", "parameters": {}}',  # a tool nobody offered
+    '{"name": "get_weather", "parameters": ',  # cut off
+    'The JSON is {"name": "get_weather", "parameters": {}}',  # text first: an answer
+])
+def test_bare_json_that_is_not_a_call_stays_content(text: str) -> None:
+    events = _events_fed(text, 4, bare_json_calls=True)
+    assert all(isinstance(event, ContentDelta) for event in events)
+    assert "".join(event.text for event in events) == text.lstrip()
+
+
+def test_bare_json_is_not_looked_for_unless_asked() -> None:
+    text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    assert "".join(e.text for e in _events_fed(text, 7)) == text

@@ -18,7 +18,12 @@ from typing import Any
 
 import pytest
 
-from butter.chat.markup import CALL_CLOSE, CALL_OPEN, parse_tool_call_body
+from butter.chat.markup import (
+    CALL_CLOSE,
+    CALL_OPEN,
+    parse_bare_json_calls,
+    parse_tool_call_body,
+)
 from butter.chat.template import ChatTemplate, TemplateChoice
 from butter.protocol import openai
 
@@ -97,8 +102,14 @@ def render(template: ChatTemplate, body: dict[str, Any]) -> str:
                            tools=openai.template_tools(request))
 
 
-def check_tool_round(text: str) -> str | None:
-    """What is wrong with a rendered tool round, if anything."""
+SCHEMAS = {"get_weather": TOOLS[0]["function"]["parameters"]}
+EXPECTED_CALL = [("get_weather", json.dumps({"city": "Paris"}))]
+
+
+def check_tool_round(template: ChatTemplate, text: str) -> str | None:
+    """What is wrong with a rendered tool round, if anything. The rendered call must
+    parse back to the same call where butter reads that family's markup: the
+    `<tool_call>` bodies, and bare JSON calls where the template writes those."""
     after_question = text.split("What is the weather in Paris?", 1)[-1]
     if "Paris" not in after_question or "get_weather" not in after_question:
         return "the assistant's tool call is missing"
@@ -106,10 +117,21 @@ def check_tool_round(text: str) -> str | None:
         return "the tool result is missing"
     for body in re.findall(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE),
                            after_question, re.DOTALL):
-        parsed = parse_tool_call_body(body, {"get_weather": TOOLS[0]["function"]["parameters"]})
-        if parsed is not None and parsed != [("get_weather", json.dumps({"city": "Paris"}))]:
+        parsed = parse_tool_call_body(body, SCHEMAS)
+        if parsed is not None and parsed != EXPECTED_CALL:
             return f"the rendered call parses back as {parsed}"
+    if template.capabilities.bare_json_calls:
+        parsed = parse_bare_json_calls(_first_json(after_question), SCHEMAS)
+        if parsed != EXPECTED_CALL:
+            return f"the bare JSON call parses back as {parsed}"
     return None
+
+
+def _first_json(text: str) -> str:
+    """The JSON value (a call object, or an array of them) where the call is written."""
+    start = min(i for i in (text.find('{"name"'), text.find('[{"name"')) if i >= 0)
+    _, end = json.JSONDecoder().raw_decode(text, start)
+    return text[start:end]
 
 
 def test_every_template_renders_every_conversation(templates: list[Path]) -> None:
@@ -128,7 +150,8 @@ def test_every_template_renders_every_conversation(templates: list[Path]) -> Non
             except Exception as exc:
                 failures.append(f"{path.name} / {name}: {exc}")
                 continue
-            problem = check_tool_round(text) if name.startswith("a tool round") else None
+            problem = (check_tool_round(template, text) if name.startswith("a tool round")
+                       else None)
             if problem:
                 failures.append(f"{path.name} / {name}: {problem}")
             if name == "inner system" and "Answer in French." not in text:
@@ -149,3 +172,4 @@ def test_capabilities_are_probed_not_assumed(templates: list[Path]) -> None:
     assert any(caps.string_arguments for caps in seen)
     assert any(caps.short_tool_call_ids for caps in seen)
     assert any(caps.tools_list for caps in seen)
+    assert 3 <= sum(caps.bare_json_calls for caps in seen) < len(seen) // 2  # Llama 3.x...

@@ -8,6 +8,13 @@ decided, so raw markup never leaks into content. Tool-call bodies are buffered u
 - JSON (Hermes / Qwen2.5 / Qwen3): `{"name": "f", "arguments": {...}}`
 - XML (Qwen3-Coder): `<function=f><parameter=k>v</parameter></function>`, values typed
   by the tool's JSON schema (strings stay strings, the rest is parsed as JSON).
+- Key/value (GLM, Laguna, Ling): `f<arg_key>k</arg_key><arg_value>v</arg_value>`, typed
+  the same way.
+
+With `bare_json_calls` (templates that write calls as bare JSON: Llama 3.x, Mistral Nemo,
+whose `[TOOL_CALLS]` marker is a control token and renders empty), an answer that begins
+with `{` or `[` is held to its end and becomes calls if it is one call object, or an array
+of them, of tools offered (`name` with `arguments` or `parameters`); else it is content.
 
 Broken markup (unclosed at the end, invalid JSON, unknown function) degrades to plain
 content. Feeding the same text in any split gives the same events, merged.
@@ -27,6 +34,7 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
 _PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+_KEY_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
 @attrs.frozen
@@ -60,10 +68,13 @@ class MarkupParser:
         *,
         start_in_reasoning: bool = False,
         new_call_id: Callable[[int], str] = lambda index: f"call_{index}",
+        bare_json_calls: bool = False,
     ) -> None:
         self._tools = tools
         self._new_call_id = new_call_id
         self._mode = "reasoning" if start_in_reasoning else "content"
+        # Until the answer's first visible character: may it be a bare JSON call?
+        self._bare_possible = bare_json_calls and bool(tools)
         self._pending = ""
         self._body = ""  # the open tool call's text
         self._lstrip = start_in_reasoning  # drop whitespace right after a tag
@@ -74,8 +85,19 @@ class MarkupParser:
         return self._calls
 
     def feed(self, text: str) -> list[Event]:
+        if self._mode == "bare":
+            self._body += text
+            return []
         self._pending += text
         events: list[Event] = []
+        if self._bare_possible and self._mode == "content":
+            start = self._pending.lstrip()
+            if not start:
+                return events  # only whitespace so far: undecided
+            self._bare_possible = False
+            if start[0] in "{[":
+                self._mode, self._body, self._pending = "bare", start, ""
+                return events
         while True:
             tags = self._tags()
             found = _earliest(self._pending, tags)
@@ -93,6 +115,15 @@ class MarkupParser:
         """End of generation: release held text; an unclosed call becomes content."""
         events: list[Event] = []
         pending, self._pending = self._pending, ""
+        if self._mode == "bare":
+            self._mode = "content"
+            calls = self._calls_from(parse_bare_json_calls(self._body, self._tools or {}))
+            if calls is None:
+                self._emit(self._body, events)
+            else:
+                events.extend(calls)
+            self._body = ""
+            return events
         if self._mode == "tool":
             self._mode = "content"
             self._lstrip = False
@@ -122,6 +153,8 @@ class MarkupParser:
             self._lstrip = False
         if not text:
             return
+        if self._mode == "content":
+            self._bare_possible = False  # the answer has begun: not a bare call
         event: Event = ReasoningDelta(text) if self._mode == "reasoning" else ContentDelta(text)
         events.append(event)
 
@@ -143,7 +176,9 @@ class MarkupParser:
             self._body = ""
 
     def _parse_body(self, body: str) -> list[ToolCall] | None:
-        parsed = parse_tool_call_body(body, self._tools or {})
+        return self._calls_from(parse_tool_call_body(body, self._tools or {}))
+
+    def _calls_from(self, parsed: list[tuple[str, str]] | None) -> list[ToolCall] | None:
         if parsed is None:
             return None
         calls = []
@@ -161,7 +196,39 @@ def parse_tool_call_body(body: str, tools: ToolSchemas) -> list[tuple[str, str]]
         return _parse_json_call(text, tools)
     if "<function=" in text:
         return _parse_xml_calls(text, tools)
+    if "<arg_key>" in text or (text and text in tools):
+        return _parse_key_value_call(text, tools)
     return None
+
+
+def parse_bare_json_calls(text: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:
+    """A whole answer that is one JSON call object, or an array of them."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    objects = value if isinstance(value, list) else [value]
+    calls: list[tuple[str, str]] = []
+    for item in objects:
+        found = _parse_json_call(json.dumps(item), tools) if isinstance(item, dict) else None
+        if found is None:
+            return None
+        calls.extend(found)
+    return calls or None
+
+
+def _parse_key_value_call(text: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:
+    name, _, rest = text.partition("<arg_key>")
+    name = name.strip()
+    if name not in tools:
+        return None
+    rest = "<arg_key>" + rest if rest else ""
+    properties = _properties(tools[name])
+    arguments = {key.strip(): _typed_value(value, properties.get(key.strip()))
+                 for key, value in _KEY_VALUE.findall(rest)}
+    if _KEY_VALUE.sub("", rest).strip():
+        return None
+    return [(name, json.dumps(arguments, ensure_ascii=False))]
 
 
 def _parse_json_call(text: str, tools: ToolSchemas) -> list[tuple[str, str]] | None:

@@ -59,6 +59,9 @@ class TemplateCapabilities:
     reasoning: bool = False  # renders earlier turns' reasoning_content
     empty_assistant: bool = True  # takes an assistant turn with no content and no calls
     inner_system: bool = True  # renders system messages after the first turn
+    # Writes an assistant's call as a bare JSON object (Llama 3.x, Mistral Nemo): the
+    # model answers a call that way too (chat/markup.py, bare_json_calls).
+    bare_json_calls: bool = False
 
 
 def _renders(render: Render, messages: Messages, tools: Tools, *markers: str) -> bool:
@@ -98,7 +101,8 @@ def probe(render: Render) -> TemplateCapabilities:
             if _renders(render, round_, offered, _CALL, _VALUE):
                 found = {"string_arguments": string_arguments,
                          "short_tool_call_ids": call_id != "call_probe_1",
-                         "tool_responses": _renders(render, round_, offered, _RESULT)}
+                         "tool_responses": _renders(render, round_, offered, _RESULT),
+                         "bare_json_calls": _writes_bare_json(render(round_, offered))}
                 break
         if found:
             break
@@ -118,6 +122,11 @@ def probe(render: Render) -> TemplateCapabilities:
         system_role=system_role, tools=tools, tool_calls="string_arguments" in found,
         null_content=null_content, tools_list=tools_list, reasoning=reasoning,
         empty_assistant=empty_assistant, inner_system=inner_system, **found)
+
+
+def _writes_bare_json(rendered: str) -> bool:
+    """The call is a JSON object naming the function, outside any `<tool_call>` tag."""
+    return f'{{"name": "{_CALL}"' in rendered and "<tool_call>" not in rendered
 
 
 def short_tool_call_id(call_id: str) -> str:

@@ -27,6 +27,8 @@ class PreparedGeneration:
     starts_in_reasoning: bool  # the template opened a <think> block in the prompt
     # A token prompt's text (what `echo` returns); None for a text or chat prompt.
     token_prompt_text: str | None = None
+    # The template writes calls as bare JSON, so the model may answer one that way.
+    bare_json_calls: bool = False
 
 
 def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -34,8 +36,11 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
     try:
         if isinstance(request.prompt, ChatPrompt):
             text = render(resident, request.prompt)
-            return prepare_tokens(resident, request, resident.tokenize_prompt(text),
-                                  starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+            prepared = prepare_tokens(resident, request, resident.tokenize_prompt(text),
+                                      starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+            return attrs.evolve(prepared, bare_json_calls=(
+                resident.template.capabilities.bare_json_calls
+                and resident.template.renders_tools))
         if isinstance(request.prompt, TokenPrompt):
             tokens = checked_tokens(request.prompt.tokens, resident.backend.info.n_vocab)
             return attrs.evolve(prepare_tokens(resident, request, tokens),
