@@ -150,9 +150,12 @@ CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first
                   "--disable-sync", "--host-resolver-rules=MAP evil.example 127.0.0.1"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """A headless Chromium (Playwright's Browser); skips where none is installed."""
+    """A headless Chromium (Playwright's Browser); skips where none is installed. Per
+    module: Playwright's sync API keeps an asyncio loop running on this thread while it
+    is open, and later tests' asyncio.run (lm-eval's, openai-agents') would refuse to
+    start."""
     if not Path(CHROMIUM).exists():
         pytest.skip("Chromium is not installed (apt install chromium)")
     playwright_api = pytest.importorskip("playwright.sync_api")
