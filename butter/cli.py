@@ -49,8 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a .gguf path, or a bundled model (extra [demo]): smollm2-135m (an "
                             "instruct model), gemma-3-270m (a base model)")
     serve.add_argument("--alias", help="the id clients use for the model (default: --model)")
-    serve.add_argument("--host", default=defaults.DEFAULT_HOST)
-    serve.add_argument("--port", type=int, default=defaults.DEFAULT_PORT)
+    serve.add_argument("--host", default=defaults.DEFAULT_HOST,
+                       help="the address to listen on; beyond loopback, set an API key")
+    serve.add_argument("--port", type=int, default=defaults.DEFAULT_PORT,
+                       help="the port to listen on; 0 picks a free one")
     serve.add_argument("--chat-template",
                        help="a jinja template file, or a built-in: gemma, chatml, llama3, mistral")
     serve.add_argument("--parallel", type=_positive, default=defaults.DEFAULT_PARALLEL,

@@ -99,3 +99,13 @@ def test_access_flags_and_the_warnings_the_banner_gives() -> None:
     warnings = access_warnings(exposed, ApiKeys())
     assert len(warnings) == 2 and "0.0.0.0" in warnings[0] and "'*'" in warnings[1]
     assert access_warnings(exposed, ApiKeys(["key"])) == []
+
+
+def test_the_flag_reference_is_the_parsers_own() -> None:
+    """docs/flags.md is written from the parsers; regenerate it when a flag changes:
+    python -m butter.flags_doc > docs/flags.md"""
+    from butter.flags_doc import flags_markdown
+
+    written = (Path(__file__).parent.parent / "docs" / "flags.md").read_text("utf-8")
+    assert written == flags_markdown(), "docs/flags.md is stale: python -m butter.flags_doc"
+    assert "`--api-key-file`" in written and "`--interleave`" in written
