@@ -330,6 +330,15 @@ class Engine:
                 self.admission.release(generation.ticket)
             self._wake()
 
+    def check_queue_room(self) -> None:
+        """Overloaded (503) when a new request could not even wait: before a stream's
+        headers go out, since afterwards the refusal could only be an error event."""
+        self.admission.check_queue_room()
+
+    def limit_slots(self, slots: int) -> None:
+        """Run at most this many requests at once (at most the sessions loaded)."""
+        self.admission.slots = slots
+
     def stats(self) -> EngineStats:
         admission = self.admission.stats()
         return EngineStats(

@@ -87,7 +87,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
     metrics = Metrics(lambda: _engine_of(backend), lambda: backend.swaps)
     for collector in collectors:
         metrics.registry.register(collector)
-    metrics.registry.register(VllmCollector(lambda: _resident_of(backend)))
+    metrics.registry.register(VllmCollector(lambda: backend.resident))
     app = QuartTrio("butter")
     app.config["MAX_CONTENT_LENGTH"] = max_body_bytes
     app.config["RESPONSE_TIMEOUT"] = None  # generation may take long; disconnects cancel it
@@ -253,7 +253,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
     @api("GET", "/server")
     async def server_info() -> Response:
         # Answers at once, a swap or not: between its unload and load no model is resident.
-        resident = _resident_of(backend)
+        resident = backend.resident
         return _json({
             "version": __version__,
             "model": _model_card(resident) if resident else None,
@@ -274,7 +274,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         watch = observer("/v1/chat/completions")
         if not chat_request.stream:
             return _json(await chat_completions.complete(resident, prepared, watch))
-        resident.engine.admission.check_queue_room()
+        resident.engine.check_queue_room()
         return Response(
             chat_completions.stream(resident, prepared, include_usage=chat_request.include_usage,
                                     flush_interval=stream_flush, observer=watch),
@@ -292,7 +292,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         if not completion_request.stream:
             return _json(await completions.complete(resident, prepared, echo=echo,
                                                     observer=watch))
-        resident.engine.admission.check_queue_room()
+        resident.engine.check_queue_room()
         return Response(
             completions.stream(resident, prepared, echo=echo,
                                include_usage=completion_request.include_usage,
@@ -312,7 +312,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         if not messages_request.stream:
             return _json(await messages.create(resident, prepared, watch,
                                                show_thinking=show_thinking))
-        resident.engine.admission.check_queue_room()
+        resident.engine.check_queue_room()
         return Response(messages.stream(resident, prepared, flush_interval=stream_flush,
                                         observer=watch, show_thinking=show_thinking),
                         mimetype="text/event-stream", headers=SSE_HEADERS)
@@ -375,7 +375,7 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         watch = observer(route)
         if not stream:
             return _json(await ollama.whole(resident, prepared, watch, shape))
-        resident.engine.admission.check_queue_room()
+        resident.engine.check_queue_room()
         return Response(ollama.stream(resident, prepared, watch, shape),
                         mimetype="application/x-ndjson", headers=SSE_HEADERS)
 
@@ -427,18 +427,9 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
     return app
 
 
-def _resident_of(backend: ServeBackend) -> ResidentModel | None:
-    try:
-        return backend.current
-    except RuntimeError:  # between a swap's unload and load
-        return None
-
-
 def _engine_of(backend: ServeBackend) -> Engine | None:
-    try:
-        return backend.current.engine
-    except RuntimeError:  # between a swap's unload and load
-        return None
+    resident = backend.resident
+    return None if resident is None else resident.engine
 
 
 def _finish(

@@ -39,6 +39,12 @@ class ServeBackend(Protocol):
     def current(self) -> ResidentModel: ...
 
     @property
+    def resident(self) -> ResidentModel | None:
+        """The resident model; None while none is (between a swap's unload and load, or
+        after a failed swap): what answers at once, never waiting out a swap."""
+        ...
+
+    @property
     def swapping(self) -> bool:
         """A model swap is under way (readiness says 503 meanwhile)."""
         ...
@@ -100,10 +106,14 @@ class ButterServeBackend:
                     f"maximum_concurrent_requests={maximum_concurrent_requests} exceeds the "
                     f"model's {resident.backend.n_seq} sessions: load it with a larger parallel"
                 )
-            resident.engine.admission.slots = maximum_concurrent_requests
+            resident.engine.limit_slots(maximum_concurrent_requests)
 
     @property
     def current(self) -> ResidentModel:
+        return self.model.resident
+
+    @property
+    def resident(self) -> ResidentModel | None:
         return self.model.resident
 
     def swappable(self) -> list[str]:
@@ -149,6 +159,10 @@ class ResidentServeBackend:
         if self._model is None:
             raise RuntimeError("no model is resident: call start() first")
         return self._model.resident
+
+    @property
+    def resident(self) -> ResidentModel | None:
+        return None if self._model is None else self._model.resident
 
     @property
     def swapping(self) -> bool:

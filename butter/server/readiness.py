@@ -73,10 +73,10 @@ class Readiness:
             return ReadyState(False, "draining", "the server is shutting down")
         if self._backend.swapping:
             return ReadyState(False, "swapping", "a model swap is under way")
-        try:
-            engine = self._backend.current.engine
-        except RuntimeError:  # between a swap's unload and load
+        resident = self._backend.resident
+        if resident is None:  # between a swap's unload and load, or after a failed one
             return ReadyState(False, "no_model", "no model is loaded")
+        engine = resident.engine
         if not engine.running:
             return ReadyState(False, "engine_stopped", "the engine's step loop is not running")
         started = engine.step_started
@@ -86,10 +86,8 @@ class Readiness:
         return ReadyState(True, "ready", "serving")
 
     def _model_id(self) -> str | None:
-        try:
-            return self._backend.current.model_id
-        except RuntimeError:
-            return None
+        resident = self._backend.resident
+        return None if resident is None else resident.model_id
 
     def start_draining(self) -> None:
         self.draining = True
@@ -136,8 +134,8 @@ class CountInFlight:
 
 def current_load(backend: ServeBackend) -> int:
     """Requests running or waiting for admission (0 between a swap's unload and load)."""
-    try:
-        stats = backend.current.engine.stats()
-    except RuntimeError:
+    resident = backend.resident
+    if resident is None:
         return 0
+    stats = resident.engine.stats()
     return stats.active + stats.queued

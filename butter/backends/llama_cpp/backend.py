@@ -54,8 +54,8 @@ class LlamaCppBackend:
         that applies; `lm_head` then says which one does, and why. `repack`: let llama.cpp
         repack weights for its interleaved kernels (faster one-row decode of some K-quants,
         but a row's result then depends on its place in the batch: docs/architecture.md).
-        `fast_layers`: let butter multiply the layers' Q8_0 matrices inside llama.cpp
-        (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
+        `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
+        llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
         self.model = LlamaModel(
             path, n_cells=n_cells, n_seq=n_seq, cache_seqs=cache_seqs, n_batch=n_batch,
             threads=threads, kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack,
@@ -118,7 +118,8 @@ class LlamaCppBackend:
             "weight_repacking": self.model.repack,  # off with --deterministic
             # llama.cpp buffer types butter took out because they crash (layer_matmul.py)
             "dropped_buffer_types": list(layer_matmul.dropped_buffer_types),
-            # who multiplies the layers' Q8_0 matrices: "butter (...)" or "llama.cpp (why)"
+            # who multiplies the layers' Q8_0, Q6_K and Q5_K matrices: "butter (...)" or
+            # "llama.cpp (why)"
             "layer_matmuls": self.model.layers_by,
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,

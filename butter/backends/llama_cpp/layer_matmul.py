@@ -76,8 +76,8 @@ class Counters:
 
 
 class LayerMatmul:
-    """The registered library: choose per load whether Q8_0 weights may go there, and read
-    what it has done."""
+    """The registered library: choose per load whether Q8_0, Q6_K and Q5_K weights may go
+    there, and read what it has done."""
 
     def __init__(self, lib: Any) -> None:
         self._lib = lib
