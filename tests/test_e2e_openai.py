@@ -195,3 +195,31 @@ def test_timings_as_llama_server_reports_them(demo_server: ServerProcess) -> Non
     assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
     assert finals[0]["timings"]["predicted_n"] == 8
     assert finals[0]["timings"]["cache_n"] > 0  # the same prompt again, from the cache
+
+
+def test_return_progress_reports_the_prompt_as_it_is_evaluated(
+    demo_server: ServerProcess,
+) -> None:
+    """llama-server's `return_progress`: prompt_progress chunks before the first token,
+    counting up to the whole prompt."""
+    words = " ".join(f"item{index}" for index in range(300))  # a few prefill chunks
+    body = {"messages": [{"role": "user", "content": f"Summarize: {words}"}],
+            "max_tokens": 2, "stream": True, "return_progress": True}
+    progress, content_seen_at = [], None
+    with httpx.stream("POST", f"{demo_server.api}/chat/completions", json=body,
+                      timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "prompt_progress" in chunk:
+                assert content_seen_at is None  # all of it before the answer
+                progress.append(chunk["prompt_progress"])
+            elif any(choice["delta"].get("content") for choice in chunk["choices"]):
+                content_seen_at = len(progress)
+    assert len(progress) >= 2, progress
+    processed = [update["processed"] for update in progress]
+    assert processed == sorted(processed) and len(set(processed)) == len(processed)
+    assert progress[-1]["processed"] == progress[-1]["total"] > 300
+    assert all(update["cache"] <= update["processed"] for update in progress)
+    assert progress[-1]["time_ms"] >= progress[0]["time_ms"]

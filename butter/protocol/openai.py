@@ -108,6 +108,7 @@ class ChatCompletionRequest:
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     grammar: str | None = None  # llama-server's: a GBNF grammar the output must follow
+    return_progress: bool = False  # llama-server's: prompt_progress chunks while prefilling
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     logprobs: bool | None = None
@@ -420,6 +421,17 @@ def usage_body(usage: Usage) -> dict[str, Any]:
         "cached_tokens": usage.cached_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+
+
+def progress_chunk_body(*, completion_id: str, model: str, created: int, total: int,
+                        cache: int, processed: int, time_ms: int) -> dict[str, Any]:
+    """llama-server's `prompt_progress` chunk, sent while a stream's prompt is evaluated:
+    `processed` counts the prompt positions in the KV cache so far (the cached ones too)."""
+    body = chunk_body(completion_id=completion_id, model=model, created=created,
+                      delta={"role": "assistant", "content": None})
+    body["prompt_progress"] = {"total": total, "cache": cache, "processed": processed,
+                               "time_ms": time_ms}
+    return body
 
 
 def timings_body(timings: Timings) -> dict[str, Any]:

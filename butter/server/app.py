@@ -277,7 +277,8 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
         resident.engine.check_queue_room()
         return Response(
             chat_completions.stream(resident, prepared, include_usage=chat_request.include_usage,
-                                    flush_interval=stream_flush, observer=watch),
+                                    flush_interval=stream_flush, observer=watch,
+                                    return_progress=chat_request.return_progress),
             mimetype="text/event-stream", headers=SSE_HEADERS,
         )
 

@@ -6,6 +6,7 @@ body lists them by index; a stream sends each choice's chunks in turn, choice 0 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -87,12 +88,43 @@ def _deltas(event: Event) -> list[dict[str, Any]]:
     return [{"tool_calls": [opening]}, {"tool_calls": [arguments]}]
 
 
+# With return_progress: how often a stream looks at its prompt's progress (seconds).
+PROGRESS_POLL_SECONDS = 0.1
+
+
+def _prompt_progress(generation: Generation) -> tuple[int, int]:
+    """(positions of the prompt in the KV cache, milliseconds since it got a session)."""
+    if generation.decoding or generation.leased_at is None:
+        done = generation.prompt_tokens if generation.decoding else generation.cached_tokens
+        return done, 0 if generation.leased_at is None else _since(generation.leased_at)
+    return generation.prompt_tokens - len(generation.pending), _since(generation.leased_at)
+
+
+def _since(start: float) -> int:
+    return int((time.perf_counter() - start) * 1000)
+
+
 async def stream(
     resident: ResidentModel, prepared: PreparedGeneration, *, include_usage: bool,
     flush_interval: float = 0.0, observer: RequestObserver | None = None,
+    return_progress: bool = False,
 ) -> AsyncIterator[bytes]:
     frames = FrameCoalescer(flush_interval)
     completion_id, created = new_completion_id(), openai.now()
+    reported = -1  # the last progress sent (processed positions)
+
+    def progress(generation: Generation, *, final: bool = False) -> bytes:
+        nonlocal reported
+        processed, elapsed = _prompt_progress(generation)
+        if final:
+            processed = generation.prompt_tokens
+        if processed == reported:
+            return b""
+        reported = processed
+        return data_event(openai.progress_chunk_body(
+            completion_id=completion_id, model=resident.model_id, created=created,
+            total=generation.prompt_tokens, cache=generation.cached_tokens,
+            processed=processed, time_ms=elapsed))
 
     def chunk(delta: dict[str, Any], index: int, reason: FinishReason | None = None,
               logprobs: LogprobsDelta | None = None,
@@ -109,10 +141,18 @@ async def stream(
             for index, generation in enumerate(generations):
                 yield chunk({"role": "assistant", "content": ""}, index)
                 assembler = OutputAssembler(prepared)
-                async for event in generated_events(generation, assembler,
-                                                    observer=observer):
-                    if event is None:
+                polling = return_progress and index == 0  # the prompt is evaluated once
+                async for event in generated_events(
+                        generation, assembler, observer=observer,
+                        heartbeat=PROGRESS_POLL_SECONDS if polling else None):
+                    if event is None:  # (only while polling: no output yet)
+                        if update := progress(generation):
+                            yield update
                         continue
+                    if polling:
+                        polling = False
+                        if update := progress(generation, final=True):
+                            yield update
                     frame = (chunk({}, index, logprobs=event)
                              if isinstance(event, LogprobsDelta)
                              else b"".join(chunk(delta, index) for delta in _deltas(event)))
