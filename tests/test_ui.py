@@ -170,3 +170,38 @@ def test_no_ui(tiny_gguf: Path) -> None:
         assert not any("chat page" in line for line in server.output)
     finally:
         server.stop()
+
+
+def test_reasoning_and_tool_calls_show_as_their_own_blocks(page: Any) -> None:
+    """The page's rendering of what the instruct model here never sends: an answer with
+    reasoning and a tool call. The stream is butter's own encoder's chunks, served to the
+    page in place of the server's (the model, not the wire, is what is missing)."""
+    from butter.protocol import openai
+    from butter.protocol.sse import DONE, data_event
+
+    def chunk(delta: dict[str, Any], reason: str | None = None) -> bytes:
+        return data_event(openai.chunk_body(completion_id="chatcmpl-x", model=INSTRUCT,
+                                            created=0, delta=delta,
+                                            finish_reason=reason))  # type: ignore[arg-type]
+
+    body = b"".join([
+        chunk({"role": "assistant", "content": ""}),
+        chunk({"reasoning_content": "The user wants the weather.",
+               "reasoning": "The user wants the weather."}),
+        chunk({"content": "Let me check."}),
+        chunk({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "get_weather", "arguments": ""}}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}),
+        chunk({}, "tool_calls"), DONE])
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, body=body, headers={"Content-Type": "text/event-stream"}))
+    send(page, "Weather in Paris?")
+    answer = last_answer(page)
+    answer.locator(".stats").wait_for(timeout=TIMEOUT_MS)
+    reasoning = answer.locator("details.reasoning")
+    assert reasoning.locator("summary").inner_text() == "Reasoning"  # folded until opened
+    assert reasoning.locator("pre").text_content() == "The user wants the weather."
+    assert answer.locator(".text").inner_text() == "Let me check."
+    assert answer.locator(".tool-call strong").inner_text() == "tool call: get_weather"
+    assert answer.locator(".tool-call pre").inner_text() == '{"city": "Paris"}'
+    assert "finish: tool_calls" in answer.locator(".stats").inner_text()
