@@ -72,6 +72,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from butter.cpu import this_cpu
+
 HERE = Path(__file__).resolve().parent
 BUILD = HERE / ".build"
 REPO = HERE.parent
@@ -615,8 +617,10 @@ def butter_choices(base_url: str) -> list[str]:
         meta = httpx.get(f"{base_url}/v1/server", timeout=10).json()["model"]["meta"]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return ["/v1/server: unreadable after the run"]
+    kernels = meta.get("kernels") or {}
     return [f"after the run: step shapes {meta.get('step_shapes')}, output projection "
-            f"{meta.get('lm_head')}, layer matmuls {meta.get('layer_matmuls')}"]
+            f"{meta.get('lm_head')}, layer matmuls {meta.get('layer_matmuls')}",
+            f"kernels by layer matrix type: {kernels.get('layers')}"]
 
 
 # ------------------------------------------------------------------- reports
@@ -809,11 +813,12 @@ def mem_total_gib() -> float | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """nproc, CPU model, memory, kernel."""
+    """nproc, CPU model and class (the instruction sets that choose kernels), memory, kernel."""
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
+        "cpu_class": this_cpu().label,
         "mem_total_gib": mem_total_gib(),
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -852,7 +857,7 @@ def markdown_report(
         "",
         f"- Date: {meta['date']}",
         (
-            f"- Machine: nproc {m['nproc']}, CPU {m['cpu_model']}{mem}, "
+            f"- Machine: nproc {m['nproc']}, CPU {m.get('cpu_class', m['cpu_model'])}{mem}, "
             f"Linux {m['kernel']}; load average {m['loadavg_at_start'][0]:.2f} at start"
         ),
         f"- Repository commit: {meta['git_commit'] or 'none'}",

@@ -11,7 +11,7 @@ Usage (from the repository root, in the project's venv)::
     python benchmarks/lm_head.py                    # the demo GGUF
     python benchmarks/lm_head.py --model x.gguf --rows 1,4,8 --repeats 30
     python benchmarks/lm_head.py --model x.gguf --repack   # llama.cpp's weight repacking on
-    BUTTER_LM_HEAD_ISA=avx2 python benchmarks/lm_head.py   # the AVX2 kernel on an AVX512 CPU
+    BUTTER_KERNEL_ISA=avx2 python benchmarks/lm_head.py   # the AVX2 kernel on an AVX512 CPU
 """
 
 from __future__ import annotations

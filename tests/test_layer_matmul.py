@@ -11,6 +11,10 @@ is taken.
 from __future__ import annotations
 
 import ctypes
+import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,14 @@ import pytest
 
 import butter.backends.llama_cpp.loading as llama_loading
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.kernels import (
+    TYPE_BITS,
+    Isa,
+    Kernel,
+    butter_layer_types,
+    layer_kernel,
+    requested_isa,
+)
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.backends.llama_cpp.layer_matmul import Counters, LayerMatmul, Unavailable
 from butter.cli import build_parser, settings_from_args
@@ -107,7 +119,12 @@ def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
         assert {"Q8_0": taken.q8_0_matrices, "Q6_K": taken.q6_k_matrices,
                 "Q5_K": taken.q5_k_matrices} == expected
         counts = " + ".join(f"{n} {name}" for name, n in expected.items() if n)
-        assert backend.model.layers_by == f"butter (AVX512-VNNI; {counts} matrices)"
+        assert backend.model.layers_by == f"butter ({kernel.isa.value}; {counts} matrices)"
+        # /v1/server's table: each type's count and who multiplies it
+        shown = backend.diagnostics()["kernels"]["layers"]
+        for name, n in expected.items():
+            if n:
+                assert shown[name.replace("Q", "q", 1)] == f"{n} x butter ({kernel.isa.value})"
     finally:
         backend.close()
 
@@ -198,7 +215,7 @@ def _matmul_outputs(path: Path, nodes: tuple[str, ...], *, fast_layers: bool, to
         return True
 
     hook = ll.ggml_backend_sched_eval_callback(look)
-    model, _ = llama_loading._load_model(path, repack=True, fast_layers=fast_layers)
+    model, _, _ = llama_loading._load_model(path, repack=True, fast_layers=fast_layers)
     params = ll.llama_context_default_params()
     params.n_ctx, params.n_batch, params.n_threads, params.n_threads_batch = 512, 512, 2, 2
     params.cb_eval, params.cb_eval_user_data = hook, None
@@ -341,3 +358,128 @@ def test_no_buffer_type_that_crashes_llama_cpp_is_offered_weights(demo_gguf: Pat
         assert sampled.seq == 0
     finally:
         backend.close()
+
+
+# ---------------------------------------------------------------- dispatch and self-check
+
+
+def test_every_kernel_of_this_isa_passed_its_self_check() -> None:
+    kernel = _kernel_or_skip()
+    assert kernel.types == {name: "butter" for name in butter_layer_types(kernel.isa)}
+    assert set(kernel.types) == {"q8_0", "q6_K", "q5_K"}
+
+
+@pytest.mark.parametrize("qtype", ["q8_0", "q6_K", "q5_K"])
+def test_a_wrong_kernel_result_fails_the_self_check(qtype: str) -> None:
+    """One value of butter's product off by 1% of the largest: the check must see it (and
+    the true kernel passes the same probes)."""
+    kernel = _kernel_or_skip()
+    number = {"q8_0": 8, "q6_K": 14, "q5_K": 13}[qtype]
+    assert layer_matmul.ggml_type_name(number) == qtype
+    assert layer_matmul.self_check(kernel._lib, number, perturbation=0.0) == ""
+    why = layer_matmul.self_check(kernel._lib, number, perturbation=0.01)
+    assert why.startswith("self-check failed: 1 x 512 by 40 differs from llama.cpp's by")
+
+
+_FAILED_SELF_CHECK = """
+import json, sys
+from pathlib import Path
+import butter.backends.llama_cpp.layer_matmul as layer_matmul
+layer_matmul.SELF_CHECK_PERTURBATION = 0.01  # every kernel of this ISA computes wrongly
+from butter.backends.llama_cpp import LlamaCppBackend
+from tests.backend_steps import generate_greedy
+backend = LlamaCppBackend(Path(sys.argv[1]), n_cells=1024, n_seq=4, n_batch=256, threads=2,
+                          fast_layers=True, repack=True)
+tokens, _ = generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
+print(json.dumps({"diagnostics": backend.diagnostics(), "tokens": tokens,
+                  "types": layer_matmul.registered().types}))
+"""
+
+
+def test_a_type_that_fails_its_self_check_stays_with_llama_cpp(tiny_gguf: Path) -> None:
+    """Registration is once per process: a fresh one whose kernels all compute wrongly
+    stores nothing in butter's layout, says why, and decodes as llama.cpp alone does."""
+    _kernel_or_skip()
+    run = subprocess.run([sys.executable, "-c", _FAILED_SELF_CHECK, str(tiny_gguf)],
+                         capture_output=True, text=True, timeout=300, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(why.startswith("llama.cpp (self-check failed:") for why in found["types"].values())
+    assert found["diagnostics"]["layer_matmuls"] == (
+        "llama.cpp (butter's q8_0, q6_K, q5_K kernels failed their self-check)")
+    assert all("self-check failed" in who
+               for who in found["diagnostics"]["kernels"]["layers"].values()
+               if "x llama.cpp (repacked)" not in who)
+    theirs = _backend(tiny_gguf, fast_layers=False)
+    try:
+        reference, _ = generate_greedy(theirs, ["Session 1 talks about boats"], steps=8)
+    finally:
+        theirs.close()
+    assert found["tokens"] == {str(seq): tokens for seq, tokens in reference.items()}
+
+
+_FORCED_AVX2 = """
+import json
+import butter.backends.llama_cpp.loading as loading
+import butter.backends.llama_cpp.layer_matmul as layer_matmul
+loading.init_llama_backend()
+kernel = layer_matmul.registered()
+print(json.dumps({"isa": kernel.isa.value, "types": kernel.types}))
+"""
+
+
+def test_the_avx2_kernels_pass_their_self_checks_where_avx512_vnni_is_best() -> None:
+    """BUTTER_KERNEL_ISA=avx2 runs the AVX2 kernels on any CPU that has AVX2: on an
+    AVX512-VNNI CPU they must give llama.cpp's products too (on an AVX2 CPU the tests above
+    already run them)."""
+    kernel = _kernel_or_skip()
+    if kernel.isa is not Isa.AVX512_VNNI:
+        pytest.skip(f"the best kernels here are {kernel.isa.value}: the tests above ran them")
+    run = subprocess.run([sys.executable, "-c", _FORCED_AVX2], capture_output=True, text=True,
+                         timeout=300, check=True, env={**os.environ, "BUTTER_KERNEL_ISA": "avx2"})
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found == {"isa": "AVX2", "types": {name: "butter" for name in ("q8_0", "q6_K", "q5_K")}}
+
+
+class _Mismatched:
+    """The real library, but its mirror check reporting the given fields as different."""
+
+    def __init__(self, wrong: int) -> None:
+        self._wrong = wrong
+
+    def butter_layer_matmul_check_mirror(self, out: Any) -> int:
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_int32))[0] = self._wrong
+        return layer_matmul.OK
+
+
+def test_the_mirror_check_reads_this_ggml_and_names_what_differs() -> None:
+    kernel = _kernel_or_skip()
+    layer_matmul._check_mirror_fields(kernel._lib)  # this ggml, read through the mirror
+    with pytest.raises(Unavailable, match=r"structures differ from the mirror \(ne, buffer\)"):
+        layer_matmul._check_mirror_fields(_Mismatched(0b10000010))
+
+
+@pytest.mark.parametrize(("wanted", "best", "expected"), [
+    (None, Isa.AVX512_VNNI, (Isa.AVX512_VNNI, "")),
+    ("auto", Isa.AVX2, (Isa.AVX2, "")),
+    ("avx2", Isa.AVX512_VNNI, (Isa.AVX2, "BUTTER_KERNEL_ISA=avx2")),
+    ("AVX512-VNNI", Isa.AVX2, (Isa.NONE, "BUTTER_KERNEL_ISA=AVX512-VNNI: this CPU lacks it")),
+    ("none", Isa.AVX2, (Isa.NONE, "BUTTER_KERNEL_ISA=none: butter's kernels are off, as asked")),
+])
+def test_the_isa_asked_for_is_at_most_the_cpus(wanted: str | None, best: Isa,
+                                               expected: tuple[Isa, str]) -> None:
+    assert requested_isa(wanted, best) == expected
+
+
+def test_an_isa_butter_has_no_kernels_for_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="BUTTER_KERNEL_ISA=sse2: expected auto"):
+        requested_isa("sse2", Isa.AVX2)
+
+
+def test_the_table_gives_butter_exactly_the_types_the_library_multiplies() -> None:
+    for isa in (Isa.AVX512_VNNI, Isa.AVX2):
+        assert set(butter_layer_types(isa)) == set(TYPE_BITS)
+        # llama.cpp's own repacking keeps what it covers on x86 (Q4_0, Q4_K, ...)
+        assert layer_kernel(isa, "q4_K") is Kernel.REPACKED
+        assert layer_kernel(isa, "q4_1") is Kernel.GENERIC
+    assert butter_layer_types(Isa.NEON) == [] and butter_layer_types(Isa.NONE) == []

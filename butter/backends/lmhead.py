@@ -47,7 +47,7 @@ _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # The signatures below, the status codes and the ISA numbers are what this module and
 # lmhead.c agree on; BUTTER_LMHEAD_ABI_VERSION there names them. Change both together.
-ABI_VERSION = 3
+ABI_VERSION = 4
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_lmhead_supported": (_I32, []),
     "butter_lmhead_state_size": (_SIZE, []),
@@ -82,7 +82,8 @@ ISA_AVX2, ISA_AVX512_VNNI = 1, 2
 ISA_NAMES = {ISA_AVX2: "AVX2", ISA_AVX512_VNNI: "AVX512-VNNI"}
 # Forces a slower kernel than the CPU's best (for tests and benchmarks/lm_head.py), or
 # "none": no kernel, so the library declines and llama.cpp projects.
-ISA_VARIABLE = "BUTTER_LM_HEAD_ISA"
+# The same variable limits the layer matmuls (kernels.py).
+ISA_VARIABLE = "BUTTER_KERNEL_ISA"
 
 
 class Verdict(Enum):
@@ -311,9 +312,9 @@ class LmHead:
         raw, ggml_type, n_vocab, n_embd = _output_matrix(path)
         self.n_vocab, self.n_embd = n_vocab, n_embd
         self.source_type = ggml_type_name(ggml_type)
-        # Q8_0, and Q6_K under the VNNI kernel, are computed as llama.cpp does, from the
-        # file's bytes; other types after a requantization to Q8_0.
-        native_q6_k = ggml_type == Q6_K and isa == ISA_AVX512_VNNI and n_embd % QK_K == 0
+        # Q8_0 and Q6_K are computed as llama.cpp does, from the file's bytes; other types
+        # after a requantization to Q8_0.
+        native_q6_k = ggml_type == Q6_K and isa != ISA_NONE and n_embd % QK_K == 0
         self.exact = ggml_type == Q8_0 or native_q6_k
         self._threads = max(1, threads)
         self.rows_asked = max_rows

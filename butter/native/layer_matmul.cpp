@@ -1,6 +1,6 @@
 /*
  * butter's Q8_0, Q6_K and Q5_K layer matmuls, plugged into llama.cpp's CPU backend on x86
- * CPUs with AVX512-VNNI.
+ * CPUs with AVX512-VNNI or AVX2 (one tile layout, one kernel per instruction set).
  *
  * Why: with several sequences decoding at once, a step multiplies every layer matrix by 2-8
  * activation rows. For Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 CPU code has no interleaved
@@ -30,10 +30,15 @@
  *   mirrored below from the ggml that llama-cpp-python 0.3.36 vendors. Python
  *   (butter/backends/llama_cpp/layer_matmul.py) checks the mirror against the running
  *   library before registering anything: ggml's own type and op names for the enum
- *   values, its tensor size, and the CPU buffer type's name read through the mirrored
- *   struct. Any mismatch and nothing is registered; llama.cpp computes as before.
- * - ggml's functions come in as pointers from Python (resolved in llama_cpp's own copies of
- *   the libraries), checked non-null.
+ *   values, its tensor size, and every field the kernel reads or writes, read through the
+ *   mirror from tensors and buffers the running ggml made (butter_layer_matmul_check_mirror).
+ *   Any mismatch and nothing is registered; llama.cpp computes as before.
+ * - Once registered, every kernel computes probe products through a real ggml graph, the
+ *   weight stored here, against the same product computed by llama.cpp
+ *   (butter_layer_matmul_self_check); a type whose kernel disagrees is not accepted.
+ * - ggml's functions come in as pointers from Python (resolved by the names
+ *   butter_layer_matmul_function_names lists, in llama_cpp's own copies of the
+ *   libraries), checked non-null.
  * - Change an exported signature or the counters and bump BUTTER_LAYER_MATMUL_ABI_VERSION.
  */
 #define PY_SSIZE_T_CLEAN
@@ -44,6 +49,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -51,13 +57,23 @@
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 4
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 5
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
 #define BUTTER_DECLINED 1      /* no kernel for this CPU: nothing registered */
 #define BUTTER_E_ARGUMENT (-2) /* a pointer is null */
-#define BUTTER_E_STATE (-3)    /* registered already */
+#define BUTTER_E_STATE (-3)    /* registered already, or not bound/registered yet */
+
+/* Instruction sets of the kernels (butter_layer_matmul_best_isa, _register). */
+#define ISA_NONE 0
+#define ISA_AVX2 1
+#define ISA_AVX512_VNNI 2
+
+/* Weight types, as bits of the masks of _register and _enable_types. */
+#define TYPE_BIT_Q8_0 1
+#define TYPE_BIT_Q6_K 2
+#define TYPE_BIT_Q5_K 4
 
 /* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows */
 #define COUNTERS 6
@@ -174,7 +190,25 @@ using ggml_mirror::backend_buffer;
 using ggml_mirror::backend_buffer_type;
 using ggml_mirror::tensor;
 
-/* ggml's functions, from llama_cpp's libraries (butter_layer_matmul_register). */
+struct init_params {
+    size_t mem_size;
+    void *mem_buffer;
+    bool no_alloc;
+};
+
+/* ggml's functions, from llama_cpp's libraries (butter_layer_matmul_bind), in the order of
+ * FUNCTION_NAMES. */
+#define FUNCTION_NAMES                                                                      \
+    "_Z39ggml_backend_cpu_get_extra_buffer_typesv,ggml_backend_cpu_buffer_type,"            \
+    "ggml_backend_buft_alloc_buffer,ggml_backend_buft_is_host,ggml_barrier,ggml_nbytes,"    \
+    "quantize_row_q8_K,ggml_init,ggml_free,ggml_new_tensor_2d,ggml_set_name,ggml_view_2d,"  \
+    "ggml_mul_mat,ggml_new_graph,ggml_build_forward_expand,ggml_graph_compute_with_ctx,"    \
+    "ggml_get_data,ggml_row_size,ggml_quantize_chunk,"                                      \
+    "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
+    "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
+    "ggml_backend_buft_get_device"
+constexpr size_t FUNCTION_COUNT = 25;
+
 struct Ggml {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
     backend_buffer_type *(*cpu_buffer_type)();
@@ -183,16 +217,43 @@ struct Ggml {
     void (*barrier)(void *threadpool);
     size_t (*nbytes)(const tensor *t);
     void (*quantize_row_q8_k)(const float *x, void *y, int64_t k);
+    /* for the mirror check and the self-check */
+    void *(*init)(init_params params);
+    void (*free)(void *ctx);
+    tensor *(*new_tensor_2d)(void *ctx, int type, int64_t ne0, int64_t ne1);
+    tensor *(*set_name)(tensor *t, const char *name);
+    tensor *(*view_2d)(void *ctx, tensor *a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset);
+    tensor *(*mul_mat)(void *ctx, tensor *a, tensor *b);
+    void *(*new_graph)(void *ctx);
+    void (*build_forward_expand)(void *graph, tensor *t);
+    int (*graph_compute_with_ctx)(void *ctx, void *graph, int n_threads);
+    void *(*get_data)(const tensor *t);
+    size_t (*row_size)(int type, int64_t ne);
+    size_t (*quantize_chunk)(int type, const float *src, void *dst, int64_t start, int64_t nrows,
+                             int64_t n_per_row, const float *imatrix);
+    backend_buffer *(*alloc_ctx_tensors_from_buft)(void *ctx, backend_buffer_type *buft);
+    void (*tensor_set)(tensor *t, const void *data, size_t offset, size_t size);
+    void (*buffer_free)(backend_buffer *buffer);
+    void *(*buffer_get_base)(backend_buffer *buffer);
+    size_t (*buffer_get_size)(backend_buffer *buffer);
+    void *(*buft_get_device)(backend_buffer_type *buft);
 };
+static_assert(sizeof(Ggml) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 
 Ggml ggml;
+bool bound = false;
 bool registered = false;
+int kernel_isa = ISA_NONE; /* the kernels that run (chosen at registration) */
+/* The types whose new weights may be placed here (the self-checks narrow it). */
+std::atomic<int> enabled_types{0};
+/* While the self-check runs, what it stores and computes is not counted. */
+std::atomic<bool> probing{false};
 /* Whether new weights may be placed here (butter_layer_matmul_accept). Matmuls on weights
  * already here always run here: nothing else can read the layout. */
 std::atomic<bool> accepting{false};
 
 std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, q5_k_matrices{0}, packed_bytes{0},
-    matmuls{0}, matmul_rows{0};
+    matmuls{0}, matmul_rows{0}, probe_matmuls{0};
 
 constexpr size_t ALIGN = 64;
 
@@ -226,15 +287,31 @@ size_t k_quant_bytes(const tensor *w, size_t tile_block_bytes) {
     return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * tile_block_bytes;
 }
 
-bool kernel_runs() {
+/* The best kernel this CPU runs. */
+int best_isa() {
 #ifdef BUTTER_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx512f") &&
-           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vnni");
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+        !__builtin_cpu_supports("f16c")) {
+        return ISA_NONE;
+    }
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vnni")) {
+        return ISA_AVX512_VNNI;
+    }
+    return ISA_AVX2;
 #else
-    return false;
+    return ISA_NONE;
 #endif
+}
+
+int type_bit(int type) {
+    switch (type) {
+    case ggml_mirror::TYPE_Q8_0: return TYPE_BIT_Q8_0;
+    case ggml_mirror::TYPE_Q6_K: return TYPE_BIT_Q6_K;
+    case ggml_mirror::TYPE_Q5_K: return TYPE_BIT_Q5_K;
+    default: return 0;
+    }
 }
 
 backend_buffer_type *buffer_type();
@@ -291,22 +368,29 @@ const float *activation_row(const tensor *x, int64_t row, float *gather) {
     return gather;
 }
 
-/* One pass of R activation rows (from row r) over tile t of a Q8_0 matrix. */
+/* One pass of R activation rows (from row r) over tile t of a Q8_0 matrix, with the VNNI
+ * kernel (rows quantized with offset 128) or the AVX2 kernel (offset 0). */
 struct Q8Pass {
     Q8Layout layout;
-    const uint8_t *xq; /* rows of k bytes (+128) */
+    const uint8_t *xq; /* rows of k bytes */
     const float *xd;   /* their block scales, k / 32 per row */
     int64_t k;
+    bool vnni;
 
-    VNNI_TARGET void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
-                                int lanes) const {
-        q8_tile_pass(layout.wq, layout.wd, layout.wsum, layout.nb, t, R, xq + r * k,
-                     xd + r * layout.nb, out, out_stride, lanes);
+    void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
+                    int lanes) const {
+        if (vnni) {
+            q8_tile_pass(layout.wq, layout.wd, layout.wsum, layout.nb, t, R, xq + r * k,
+                         xd + r * layout.nb, out, out_stride, lanes);
+        } else {
+            q8_tile_pass_avx2(layout.wq, layout.wd, layout.nb, t, R, xq + r * k,
+                              xd + r * layout.nb, out, out_stride, lanes);
+        }
     }
 };
 
-/* The same over a K-quant matrix (Q6_K or Q5_K: `tile_pass` is q6_tile_pass or
- * q5_tile_pass), the activations as ggml's Q8_K rows. */
+/* The same over a K-quant matrix (Q6_K or Q5_K: `tile_pass` is the type's kernel for the
+ * instruction set), the activations as ggml's Q8_K rows. */
 typedef void (*KQuantTilePass)(const uint8_t *w, int64_t nbk, int64_t t, int R,
                                const uint8_t *x, int64_t x_stride, float *out,
                                int64_t out_stride, int lanes);
@@ -327,7 +411,7 @@ struct KQuantPass {
 /* This thread's share of the tiles, for every activation row: a tile's weights stay in
  * cache across the passes of 8 rows. */
 template <class Pass>
-VNNI_TARGET void multiply_tiles(const ggml_mirror::compute_params *params, tensor *dst,
+void multiply_tiles(const ggml_mirror::compute_params *params, tensor *dst,
                                 int64_t rows, const Pass &pass) {
     const tensor *x = dst->src[1];
     const int64_t n = dst->src[0]->ne[1], n_tiles = (n + LANES - 1) / LANES;
@@ -358,9 +442,25 @@ VNNI_TARGET void multiply_tiles(const ggml_mirror::compute_params *params, tenso
     }
 }
 
+/* The K-quant kernel for a weight type and the registered instruction set. */
+KQuantTilePass k_quant_tile_pass(int type) {
+    const bool vnni = kernel_isa == ISA_AVX512_VNNI;
+    if (type == ggml_mirror::TYPE_Q6_K) {
+        return vnni ? q6_tile_pass : q6_tile_pass_avx2;
+    }
+    return vnni ? q5_tile_pass : q5_tile_pass_avx2;
+}
+
+/* Waits for the other threads of this op (none when the op runs on one). */
+void barrier(const ggml_mirror::compute_params *params) {
+    if (params->nth > 1) {
+        ggml.barrier(params->threadpool);
+    }
+}
+
 /* dst = x * w^T, shared by the CPU backend's threads (each calls this with its ith): the
  * activations are quantized by all threads, then each multiplies its share of the tiles. */
-VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
+void multiply(ggml_mirror::compute_params *params, tensor *dst) {
     const tensor *w = dst->src[0];
     const tensor *x = dst->src[1];
     const int64_t k = w->ne[0], rows = activation_rows(x);
@@ -372,23 +472,28 @@ VNNI_TARGET void multiply(ggml_mirror::compute_params *params, tensor *dst) {
         for (int64_t r = params->ith; r < rows; r += params->nth) {
             ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
         }
-        ggml.barrier(params->threadpool);
-        const KQuantTilePass tile_pass =
-            w->type == ggml_mirror::TYPE_Q6_K ? q6_tile_pass : q5_tile_pass;
+        barrier(params);
         multiply_tiles(params, dst, rows,
-                       KQuantPass{tile_pass, (const uint8_t *)w->data, xq, k / QK_K, row_bytes});
+                       KQuantPass{k_quant_tile_pass(w->type), (const uint8_t *)w->data, xq,
+                                  k / QK_K, row_bytes});
     } else {
         const int64_t nb = k / QK;
+        const bool vnni = kernel_isa == ISA_AVX512_VNNI;
         float *xd = (float *)(xq + rows * k); /* (k is a multiple of 32: 4-byte aligned) */
         for (int64_t r = params->ith; r < rows; r += params->nth) {
-            q8_quantize_row(activation_row(x, r, gather), k, 128, xq + r * k, xd + r * nb);
+            q8_quantize_row(activation_row(x, r, gather), k, vnni ? 128 : 0, xq + r * k,
+                            xd + r * nb);
         }
-        ggml.barrier(params->threadpool);
-        multiply_tiles(params, dst, rows, Q8Pass{Q8Layout(w, w->data), xq, xd, k});
+        barrier(params);
+        multiply_tiles(params, dst, rows, Q8Pass{Q8Layout(w, w->data), xq, xd, k, vnni});
     }
     if (params->ith == 0) {
-        matmuls.fetch_add(1, std::memory_order_relaxed);
-        matmul_rows.fetch_add(rows, std::memory_order_relaxed);
+        if (probing.load()) {
+            probe_matmuls.fetch_add(1, std::memory_order_relaxed);
+        } else {
+            matmuls.fetch_add(1, std::memory_order_relaxed);
+            matmul_rows.fetch_add(rows, std::memory_order_relaxed);
+        }
     }
 }
 
@@ -432,7 +537,7 @@ class TileBufferType : public ggml_mirror::extra_buffer_type {
         if (w->data != nullptr) {
             return true; /* stored here already: nothing else can compute with it */
         }
-        return accepting.load() && is_layer_weight(w);
+        return accepting.load() && is_layer_weight(w) && (enabled_types.load() & type_bit(w->type));
     }
 
     ggml_mirror::tensor_traits *get_tensor_traits(const tensor *op) override {
@@ -475,19 +580,22 @@ void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offs
     if (offset != 0 || size != ggml.nbytes(t)) {
         fail("a weight was stored in parts");
     }
+    std::atomic<int64_t> *stored = &q8_0_matrices;
     if (t->type == ggml_mirror::TYPE_Q6_K) {
         q6_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
-        q6_k_matrices.fetch_add(1, std::memory_order_relaxed);
+        stored = &q6_k_matrices;
     } else if (t->type == ggml_mirror::TYPE_Q5_K) {
         q5_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
-        q5_k_matrices.fetch_add(1, std::memory_order_relaxed);
+        stored = &q5_k_matrices;
     } else {
         const Q8Layout layout(t, t->data);
         q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
                       layout.wsum);
-        q8_0_matrices.fetch_add(1, std::memory_order_relaxed);
     }
-    packed_bytes.fetch_add((int64_t)tiled_bytes(t), std::memory_order_relaxed);
+    if (!probing.load()) {
+        stored->fetch_add(1, std::memory_order_relaxed);
+        packed_bytes.fetch_add((int64_t)tiled_bytes(t), std::memory_order_relaxed);
+    }
 }
 
 const char *get_name(backend_buffer_type *buft) {
@@ -533,6 +641,167 @@ backend_buffer_type tile_buffer_type = {
 
 backend_buffer_type *buffer_type() { return &tile_buffer_type; }
 
+/* Fields of the mirror that disagree with the running ggml (butter_layer_matmul_check_mirror),
+ * as bits. */
+enum MirrorField {
+    FIELD_TYPE = 1 << 0,
+    FIELD_NE = 1 << 1,
+    FIELD_NB = 1 << 2,
+    FIELD_DATA = 1 << 3,
+    FIELD_NAME = 1 << 4,
+    FIELD_VIEW = 1 << 5, /* view_src, view_offs */
+    FIELD_OP = 1 << 6,   /* op, src */
+    FIELD_BUFFER = 1 << 7, /* tensor.buffer, and the buffer's buft, size and get_base */
+    FIELD_BUFT = 1 << 8,   /* the buffer type's get_name and device */
+    FIELD_EXTRA = 1 << 9,
+    FIELD_SETUP = 1 << 10, /* ggml could not make the probe tensors */
+};
+
+/* A ggml context of `bytes` (freed with it). */
+struct Context {
+    void *ctx;
+    Context(size_t bytes, bool no_alloc) : ctx(ggml.init(init_params{bytes, nullptr, no_alloc})) {}
+    ~Context() {
+        if (ctx != nullptr) {
+            ggml.free(ctx);
+        }
+    }
+    Context(const Context &) = delete;
+    Context &operator=(const Context &) = delete;
+};
+
+/* A ggml buffer (freed with it). */
+struct Buffer {
+    backend_buffer *buffer;
+    explicit Buffer(backend_buffer *b) : buffer(b) {}
+    ~Buffer() {
+        if (buffer != nullptr) {
+            ggml.buffer_free(buffer);
+        }
+    }
+    Buffer(const Buffer &) = delete;
+    Buffer &operator=(const Buffer &) = delete;
+};
+
+/* Tensors and a buffer made by the running ggml, read through the mirror. */
+int mirror_disagreements() {
+    int wrong = 0;
+    Context host(1 << 20, false);
+    if (host.ctx == nullptr) {
+        return FIELD_SETUP;
+    }
+    tensor *w = ggml.new_tensor_2d(host.ctx, ggml_mirror::TYPE_Q8_0, 4 * QK, 3);
+    tensor *x = ggml.new_tensor_2d(host.ctx, ggml_mirror::TYPE_F32, 4 * QK, 2);
+    if (w == nullptr || x == nullptr) {
+        return FIELD_SETUP;
+    }
+    ggml.set_name(w, "blk.0.mirror_check");
+    const size_t row = ggml.row_size(ggml_mirror::TYPE_Q8_0, 4 * QK);
+    if (w->type != ggml_mirror::TYPE_Q8_0 || x->type != ggml_mirror::TYPE_F32) {
+        wrong |= FIELD_TYPE;
+    }
+    if (w->ne[0] != 4 * QK || w->ne[1] != 3 || w->ne[2] != 1 || w->ne[3] != 1) {
+        wrong |= FIELD_NE;
+    }
+    if (w->nb[0] != Q8_0_BLOCK_BYTES || w->nb[1] != row || w->nb[2] != 3 * row ||
+        x->nb[0] != sizeof(float)) {
+        wrong |= FIELD_NB;
+    }
+    if (w->data == nullptr || w->data != ggml.get_data(w)) {
+        wrong |= FIELD_DATA;
+    }
+    if (strcmp(w->name, "blk.0.mirror_check") != 0) {
+        wrong |= FIELD_NAME;
+    }
+    tensor *view = ggml.view_2d(host.ctx, w, 4 * QK, 2, row, row);
+    if (view == nullptr || w->view_src != nullptr || view->view_src != w ||
+        view->view_offs != row) {
+        wrong |= FIELD_VIEW;
+    }
+    tensor *y = ggml.mul_mat(host.ctx, w, x);
+    if (y == nullptr || y->op != ggml_mirror::OP_MUL_MAT || y->src[0] != w || y->src[1] != x ||
+        y->src[2] != nullptr || y->ne[0] != 3 || y->ne[1] != 2) {
+        wrong |= FIELD_OP;
+    }
+    if (w->buffer != nullptr || w->extra != nullptr) {
+        wrong |= FIELD_BUFFER | FIELD_EXTRA;
+    }
+    Context placed(1 << 16, true);
+    if (placed.ctx == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    tensor *t = ggml.new_tensor_2d(placed.ctx, ggml_mirror::TYPE_F32, 64, 4);
+    backend_buffer_type *cpu = ggml.cpu_buffer_type();
+    Buffer buffer(t == nullptr ? nullptr : ggml.alloc_ctx_tensors_from_buft(placed.ctx, cpu));
+    if (buffer.buffer == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    backend_buffer *b = buffer.buffer;
+    if (t->buffer != b || b->buft != cpu || b->size != ggml.buffer_get_size(b) ||
+        b->iface.get_base == nullptr || b->iface.get_base(b) != ggml.buffer_get_base(b) ||
+        t->data != ggml.buffer_get_base(b)) {
+        wrong |= FIELD_BUFFER;
+    }
+    if (strcmp(cpu->iface.get_name(cpu), "CPU") != 0 || cpu->device != ggml.buft_get_device(cpu)) {
+        wrong |= FIELD_BUFT;
+    }
+    if (t->extra != nullptr) {
+        wrong |= FIELD_EXTRA;
+    }
+    return wrong;
+}
+
+/* Floats in [-1, 1), the same for the same seed. */
+void probe_values(uint64_t seed, float *out, int64_t n) {
+    uint64_t state = seed * 6364136223846793005ull + 1442695040888963407ull;
+    for (int64_t i = 0; i < n; i++) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        out[i] = (float)((double)(state >> 40) / (double)(1ull << 23) - 1.0);
+    }
+}
+
+/* y = x * w^T for a `type` matrix of n rows of k, by ggml on `threads` threads: with the
+ * weight stored in `buft` (butter's buffer type), or in plain memory (null: llama.cpp's
+ * own kernels). The result goes to `out` (rows x n floats). */
+bool graph_product(backend_buffer_type *buft, int type, const std::vector<uint8_t> &weight,
+                   int64_t k, int64_t n, const std::vector<float> &x, int64_t rows,
+                   int threads, std::vector<float> &out) {
+    Context weights(1 << 16, true);
+    Context compute(weight.size() + x.size() * sizeof(float) + rows * n * sizeof(float) +
+                        ((size_t)64 << 20),
+                    false);
+    if (weights.ctx == nullptr || compute.ctx == nullptr) {
+        return false;
+    }
+    tensor *w = ggml.new_tensor_2d(buft != nullptr ? weights.ctx : compute.ctx, type, k, n);
+    if (w == nullptr) {
+        return false;
+    }
+    ggml.set_name(w, "blk.0.self_check");
+    Buffer buffer(buft != nullptr ? ggml.alloc_ctx_tensors_from_buft(weights.ctx, buft) : nullptr);
+    if (buft != nullptr) {
+        if (buffer.buffer == nullptr) {
+            return false;
+        }
+        ggml.tensor_set(w, weight.data(), 0, weight.size());
+    } else {
+        memcpy(ggml.get_data(w), weight.data(), weight.size());
+    }
+    tensor *xt = ggml.new_tensor_2d(compute.ctx, ggml_mirror::TYPE_F32, k, rows);
+    tensor *y = xt == nullptr ? nullptr : ggml.mul_mat(compute.ctx, w, xt);
+    void *graph = y == nullptr ? nullptr : ggml.new_graph(compute.ctx);
+    if (graph == nullptr) {
+        return false;
+    }
+    memcpy(ggml.get_data(xt), x.data(), x.size() * sizeof(float));
+    ggml.build_forward_expand(graph, y);
+    if (ggml.graph_compute_with_ctx(compute.ctx, graph, threads) != ggml_mirror::STATUS_SUCCESS) {
+        return false;
+    }
+    out.assign((const float *)ggml.get_data(y), (const float *)ggml.get_data(y) + rows * n);
+    return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -561,36 +830,111 @@ const char *butter_layer_matmul_buffer_type_name(void *buft) {
     return b == nullptr ? nullptr : b->iface.get_name(b);
 }
 
-/* Whether this CPU has the kernel's instructions. */
-int32_t butter_layer_matmul_supported(void) { return kernel_runs() ? 1 : 0; }
+/* The best kernel this CPU runs: ISA_AVX512_VNNI, ISA_AVX2 or ISA_NONE. */
+int32_t butter_layer_matmul_best_isa(void) { return best_isa(); }
 
-/* Adds butter's buffer type to the CPU backend's extra buffer types (once per process, and
- * before llama.cpp first lists them, which it does at its first model load). */
-int32_t butter_layer_matmul_register(void *extra_buffer_types, void *cpu_buffer_type,
-                                     void *buft_alloc_buffer, void *buft_is_host,
-                                     void *barrier, void *nbytes, void *quantize_row_q8_k,
-                                     void *cpu_device) {
-    if (!extra_buffer_types || !cpu_buffer_type || !buft_alloc_buffer || !buft_is_host ||
-        !barrier || !nbytes || !quantize_row_q8_k || !cpu_device) {
+/* The ggml functions butter_layer_matmul_bind takes, comma-separated, in its order. */
+const char *butter_layer_matmul_function_names(void) { return FUNCTION_NAMES; }
+
+/* ggml's functions, one pointer per name of butter_layer_matmul_function_names. */
+int32_t butter_layer_matmul_bind(void *const *functions, size_t count) {
+    if (functions == nullptr || count != FUNCTION_COUNT) {
         return BUTTER_E_ARGUMENT;
+    }
+    for (size_t i = 0; i < count; i++) {
+        if (functions[i] == nullptr) {
+            return BUTTER_E_ARGUMENT;
+        }
     }
     if (registered) {
         return BUTTER_E_STATE;
     }
-    if (!kernel_runs()) {
+    memcpy((void *)&ggml, functions, sizeof ggml);
+    bound = true;
+    return BUTTER_OK;
+}
+
+/* Reads tensors and a buffer the running ggml made through the mirror: *wrong gets the
+ * MirrorField bits of every field that disagrees (0: the mirror is this ggml's). */
+int32_t butter_layer_matmul_check_mirror(int32_t *wrong) {
+    if (wrong == nullptr) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!bound) {
+        return BUTTER_E_STATE;
+    }
+    *wrong = mirror_disagreements();
+    return BUTTER_OK;
+}
+
+/* Adds butter's buffer type to the CPU backend's extra buffer types (once per process, and
+ * before llama.cpp first lists them, which it does at its first model load), with the
+ * kernels of `isa` (at most this CPU's best) for the `types` (TYPE_BIT_*). */
+int32_t butter_layer_matmul_register(void *cpu_device, int32_t isa, int32_t types) {
+    if (!cpu_device) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!bound || registered) {
+        return BUTTER_E_STATE;
+    }
+    if (isa == ISA_NONE || isa > best_isa()) {
         return BUTTER_DECLINED;
     }
-    ggml.extra_buffer_types =
-        (std::vector<backend_buffer_type *> & (*)()) extra_buffer_types;
-    ggml.cpu_buffer_type = (backend_buffer_type * (*)()) cpu_buffer_type;
-    ggml.buft_alloc_buffer = (backend_buffer * (*)(backend_buffer_type *, size_t)) buft_alloc_buffer;
-    ggml.buft_is_host = (bool (*)(backend_buffer_type *))buft_is_host;
-    ggml.barrier = (void (*)(void *))barrier;
-    ggml.nbytes = (size_t(*)(const tensor *))nbytes;
-    ggml.quantize_row_q8_k = (void (*)(const float *, void *, int64_t))quantize_row_q8_k;
+    kernel_isa = isa;
+    enabled_types.store(types);
     tile_buffer_type.device = cpu_device;
     ggml.extra_buffer_types().push_back(&tile_buffer_type);
     registered = true;
+    return BUTTER_OK;
+}
+
+/* The types whose new weights may be stored here from now on (TYPE_BIT_*). */
+int32_t butter_layer_matmul_enable_types(int32_t types) {
+    enabled_types.store(types);
+    return BUTTER_OK;
+}
+
+/* One probe product through a real ggml graph on `threads` threads: a random `type`
+ * matrix of n rows of k (k a multiple of 256) times `rows` random activation rows, once with
+ * the weight stored here (butter's kernel) and once as llama.cpp computes it. out[0]: the
+ * largest difference, out[1]: the largest of llama.cpp's values, out[2]: 1 if butter's
+ * kernel computed the product. `perturb` adds perturb x out[1] to butter's first value
+ * before comparing (a wrong kernel, for the tests of the fallback; 0 otherwise). */
+int32_t butter_layer_matmul_self_check(int32_t type, int64_t k, int64_t n, int64_t rows,
+                                       int32_t threads, double perturb, double *out,
+                                       size_t out_bytes) {
+    if (out == nullptr || out_bytes < 3 * sizeof(double) || type_bit(type) == 0 ||
+        k <= 0 || k % QK_K != 0 || n <= 0 || rows <= 0 || threads <= 0) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    std::vector<float> w(k * n), x(k * rows), ours, theirs;
+    probe_values(1000 + (uint64_t)type, w.data(), (int64_t)w.size());
+    probe_values(2000 + (uint64_t)rows, x.data(), (int64_t)x.size());
+    std::vector<uint8_t> weight(ggml.row_size(type, k) * n);
+    ggml.quantize_chunk(type, w.data(), weight.data(), 0, n, k, nullptr);
+    probing.store(true);
+    const int64_t ran_before = probe_matmuls.load();
+    const bool done = graph_product(&tile_buffer_type, type, weight, k, n, x, rows, threads, ours);
+    const bool ran = probe_matmuls.load() > ran_before;
+    probing.store(false);
+    if (!done || !graph_product(nullptr, type, weight, k, n, x, rows, threads, theirs)) {
+        return BUTTER_E_STATE;
+    }
+    double largest = 0.0, worst = 0.0;
+    for (float v : theirs) {
+        largest = fabs(v) > largest ? fabs(v) : largest;
+    }
+    ours[0] += (float)(perturb * largest);
+    for (size_t i = 0; i < ours.size(); i++) {
+        const double d = fabs((double)ours[i] - (double)theirs[i]);
+        worst = d > worst || d != d ? d : worst; /* (a NaN counts as the worst) */
+    }
+    out[0] = worst;
+    out[1] = largest;
+    out[2] = ran ? 1.0 : 0.0;
     return BUTTER_OK;
 }
 

@@ -53,7 +53,7 @@
 
 /* Bump with any change to an exported signature, status code, ISA number or the order of
  * butter_lmhead_counters. */
-#define BUTTER_LMHEAD_ABI_VERSION 3
+#define BUTTER_LMHEAD_ABI_VERSION 4
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -284,12 +284,12 @@ int32_t butter_lmhead_pack(butter_lmhead *s, const uint8_t *rows, size_t rows_by
  * which the state then projects with instead of Q8_0 tiles: the file's own bytes, so the
  * logits are llama.cpp's arithmetic. The activations become ggml's Q8_K, by ggml's own
  * `quantize_q8_k` (quantize_row_q8_K), in `xk` (max_rows * (n_embd / 256) * 292 bytes).
- * Only the AVX512-VNNI kernel has this layout: under any other, BUTTER_E_STATE. */
+ * Both kernels (AVX512-VNNI, AVX2) read this layout. */
 int32_t butter_lmhead_pack_q6_k(butter_lmhead *s, const uint8_t *rows, size_t rows_bytes,
                                 uint8_t *w6, size_t w6_bytes,
                                 void (*quantize_q8_k)(const float *, void *, int64_t),
                                 uint8_t *xk, size_t xk_bytes) {
-    if (!initialized(s) || s->isa != ISA_AVX512_VNNI) {
+    if (!initialized(s)) {
         return BUTTER_E_STATE;
     }
     if (!rows || !w6 || !quantize_q8_k || !xk || s->n_embd % QK_K != 0) {
@@ -414,73 +414,25 @@ VNNI_BW_TARGET static void project_pass_q6(const butter_lmhead *s, int R, const 
     }
 }
 
-/* The AVX2 kernel: the same tiles, 8 vocabulary rows per 256-bit half. Without VNNI,
- * products go through maddubs (unsigned x signed bytes into saturating 16-bit pairs), so
- * it uses ggml's sign trick instead of the +128 offset: |w| times x with w's sign. In this
- * order a weight of -128 works too (|x| <= 127, so a pair is at most 2 x 128 x 127 and never
- * saturates). 16 registers hold 4 rows per pass. */
-#define AVX2_ROWS 4
-
-AVX2_TARGET static inline __attribute__((always_inline)) void
-half_rows_avx2(const butter_lmhead *s, int64_t t, int half, const int R, const uint8_t *xq,
-               const float *xd, float *out, int64_t stride) {
-    const int64_t nb = s->n_embd / QK;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[AVX2_ROWS];
-    for (int r = 0; r < R; r++) {
-        acc[r] = _mm256_setzero_ps();
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t tb = t * nb + b;
-        const int8_t *w = s->wq + tb * QK * LANES + half * (LANES / 2) * 4;
-        __m256i dot[AVX2_ROWS];
-        for (int r = 0; r < R; r++) {
-            dot[r] = _mm256_setzero_si256();
-        }
-        for (int g = 0; g < GROUPS; g++) {
-            const __m256i weights = _mm256_loadu_si256((const __m256i *)(w + g * LANES * 4));
-            const __m256i magnitudes = _mm256_abs_epi8(weights); /* -128 -> 128 as unsigned */
-            for (int r = 0; r < R; r++) {
-                int32_t four;
-                memcpy(&four, xq + r * s->n_embd + b * QK + g * 4, sizeof four);
-                const __m256i x = _mm256_set1_epi32(four);
-                const __m256i pairs = _mm256_maddubs_epi16(magnitudes,
-                                                           _mm256_sign_epi8(x, weights));
-                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
-            }
-        }
-        const __m256 wscale = _mm256_cvtph_ps(
-            _mm_loadu_si128((const __m128i *)(s->wd + tb * LANES + half * (LANES / 2))));
-        for (int r = 0; r < R; r++) {
-            const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(xd[r * nb + b]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(out + r * stride + t * LANES + half * (LANES / 2), acc[r]);
-    }
-}
-
-AVX2_TARGET static void project_pass_avx2(const butter_lmhead *s, int R, const uint8_t *xq,
-                                          const float *xd, float *out) {
-    const int64_t nb = s->n_embd / QK;
+AVX2_TARGET static void project_pass_q6_avx2(const butter_lmhead *s, int R, const uint8_t *xk,
+                                             float *out) {
+    const int64_t nbk = s->n_embd / QK_K;
     const int64_t stride = s->n_tiles * LANES;
     #pragma omp parallel for schedule(static) num_threads(s->n_threads)
     for (int64_t t = 0; t < s->n_tiles; t++) {
-        /* a tile's weights (16 x n_embd bytes) stay in L1 across its row groups */
-        for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
-            const uint8_t *x = xq + r0 * s->n_embd;
-            const float *d = xd + r0 * nb;
-            float *o = out + r0 * stride;
-            for (int half = 0; half < 2; half++) {
-                switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
-                case 1: half_rows_avx2(s, t, half, 1, x, d, o, stride); break;
-                case 2: half_rows_avx2(s, t, half, 2, x, d, o, stride); break;
-                case 3: half_rows_avx2(s, t, half, 3, x, d, o, stride); break;
-                default: half_rows_avx2(s, t, half, 4, x, d, o, stride); break;
-                }
-            }
-        }
+        q6_tile_pass_avx2(s->w6, nbk, t, R, xk, nbk * Q8_K_BLOCK_BYTES, out + t * LANES, stride,
+                          LANES);
+    }
+}
+
+/* The AVX2 kernel: the same tiles (q8_tile_pass_avx2). */
+AVX2_TARGET static void project_pass_avx2(const butter_lmhead *s, int R, const uint8_t *xq,
+                                          const float *xd, float *out) {
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        q8_tile_pass_avx2(s->wq, s->wd, s->n_embd / QK, t, R, xq, xd, out + t * LANES, stride,
+                          LANES);
     }
 }
 
@@ -501,7 +453,11 @@ static void project_rows(butter_lmhead *s, const float *x, int64_t rows, int64_t
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
             const int64_t left = rows - r0;
             const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
-            project_pass_q6(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+            if (s->isa == ISA_AVX512_VNNI) {
+                project_pass_q6(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+            } else {
+                project_pass_q6_avx2(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+            }
         }
         return;
     }

@@ -185,6 +185,118 @@ VNNI_BW_TARGET static inline void q5_tile_pass(const uint8_t *w, int64_t nbk, in
     }
 }
 
+/* Group g (0..7) of a chunk's half, unpacked with AVX2 (as Q5_GROUP). */
+#define Q5_GROUP_AVX2(low, high, g)                                                          \
+    _mm256_or_si256(                                                                         \
+        (g) % 2 ? _mm256_and_si256(_mm256_srli_epi16((low), 4), nibble)                      \
+                : _mm256_and_si256((low), nibble),                                           \
+        _mm256_and_si256((g) <= 4 ? _mm256_slli_epi16((high), 4 - (g))                       \
+                                  : _mm256_srli_epi16((high), (g) - 4),                      \
+                         bit4))
+
+/* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
+ * AVX2_ROWS) rows. maddubs pairs of 5-bit values and signed activations are at most
+ * 2 x 31 x 128, so four groups' pairs add in 16 bits; madd multiplies each lane's pairs
+ * by its scale, and the mins by the activations' sums per 16 (both fit 16 bits). The
+ * integers are the VNNI kernel's. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+q5_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
+                  const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
+                  int keep) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    const int h32 = half * 32; /* this half's bytes in each 64-byte part of a chunk */
+    __m256 acc[AVX2_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * Q5_TILE_BLOCK_BYTES;
+        const uint8_t *scales = tile + Q5_TILE_VALUES, *mins = scales + Q5_SUB_BLOCKS * LANES;
+        __m256i isum[AVX2_ROWS], msum[AVX2_ROWS];
+        for (int r = 0; r < R; r++) {
+            isum[r] = _mm256_setzero_si256();
+            msum[r] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < Q5_SUB_BLOCKS; j++) {
+            const uint8_t *chunk = tile + j * Q5_CHUNK;
+            for (int p = 0; p < Q5_CHUNK; p += 64) { /* the chunk a block ahead */
+                _mm_prefetch((const char *)(chunk + Q5_TILE_BLOCK_BYTES + p + h32), _MM_HINT_T0);
+            }
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(chunk + 256 + h32));
+            int64_t eight;
+            memcpy(&eight, scales + j * LANES + half * (LANES / 2), sizeof eight);
+            const __m256i scale = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+            const __m256i scale_pairs = _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
+            memcpy(&eight, mins + j * LANES + half * (LANES / 2), sizeof eight);
+            const __m256i min = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
+            const __m256i min_pairs = _mm256_or_si256(min, _mm256_slli_epi32(min, 16));
+            for (int k = 0; k < 2; k++) { /* groups 4k..4k+3 */
+                const __m256i la = _mm256_loadu_si256((const __m256i *)(chunk + 128 * k + h32));
+                const __m256i lb =
+                    _mm256_loadu_si256((const __m256i *)(chunk + 128 * k + 64 + h32));
+                const __m256i q0 = k ? Q5_GROUP_AVX2(la, h, 4) : Q5_GROUP_AVX2(la, h, 0);
+                const __m256i q1 = k ? Q5_GROUP_AVX2(la, h, 5) : Q5_GROUP_AVX2(la, h, 1);
+                const __m256i q2 = k ? Q5_GROUP_AVX2(lb, h, 6) : Q5_GROUP_AVX2(lb, h, 2);
+                const __m256i q3 = k ? Q5_GROUP_AVX2(lb, h, 7) : Q5_GROUP_AVX2(lb, h, 3);
+                for (int r = 0; r < R; r++) {
+                    const uint8_t *qs = x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + j * 32 + k * 16;
+                    int32_t x0, x1, x2, x3;
+                    memcpy(&x0, qs, 4);
+                    memcpy(&x1, qs + 4, 4);
+                    memcpy(&x2, qs + 8, 4);
+                    memcpy(&x3, qs + 12, 4);
+                    const __m256i p = _mm256_add_epi16(
+                        _mm256_add_epi16(_mm256_maddubs_epi16(q0, _mm256_set1_epi32(x0)),
+                                         _mm256_maddubs_epi16(q1, _mm256_set1_epi32(x1))),
+                        _mm256_add_epi16(_mm256_maddubs_epi16(q2, _mm256_set1_epi32(x2)),
+                                         _mm256_maddubs_epi16(q3, _mm256_set1_epi32(x3))));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scale_pairs));
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t bsums; /* the activations' two sums of 16 in this sub-block */
+                memcpy(&bsums, x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + QK_K + j * 4, 4);
+                msum[r] = _mm256_add_epi32(
+                    msum[r], _mm256_madd_epi16(min_pairs, _mm256_set1_epi32(bsums)));
+            }
+        }
+        const uint8_t *d = mins + Q5_SUB_BLOCKS * LANES;
+        const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + half * LANES)));
+        const __m256 wmin =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 32 + half * LANES)));
+        for (int r = 0; r < R; r++) {
+            float xd;
+            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            const __m256 xs = _mm256_set1_ps(xd);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(xs, wd), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(xs, wmin),
+                                      acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        store_lanes_avx2(out + r * out_stride + half * (LANES / 2), acc[r], keep);
+    }
+}
+
+/* q5_tile_pass with the AVX2 kernel, for any R from 1 to 8. */
+AVX2_TARGET static inline void q5_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                                 const uint8_t *x, int64_t x_stride, float *out,
+                                                 int64_t out_stride, int lanes) {
+    for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
+        const uint8_t *xr = x + r0 * x_stride;
+        float *o = out + r0 * out_stride;
+        for (int half = 0; half < 2; half++) {
+            const int keep = lanes - half * (LANES / 2);
+            switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
+            case 1: q5_half_rows_avx2(w, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
+            case 2: q5_half_rows_avx2(w, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
+            case 3: q5_half_rows_avx2(w, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
+            default: q5_half_rows_avx2(w, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
+            }
+        }
+    }
+}
+
 #endif /* BUTTER_X86 */
 
 #endif /* BUTTER_Q5_K_TILES_H */

@@ -177,6 +177,111 @@ VNNI_BW_TARGET static inline void q6_tile_pass(const uint8_t *w, int64_t nbk, in
     }
 }
 
+/* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
+ * AVX2_ROWS) rows. maddubs multiplies the unsigned 6-bit values by the signed activations
+ * into 16-bit pairs of at most 2 x 63 x 128, so two groups' pairs add without overflow;
+ * madd then multiplies each lane's pairs by its scale (both halves of an int32 hold it),
+ * and the -32 offset comes in as scale x -32 x the activations' sum per 16, one more madd
+ * (-32 x scale and the sum both fit 16 bits). The integers are the VNNI kernel's. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
+                  const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
+                  int keep) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+    const __m256i low_half = _mm256_set1_epi32(0xFFFF);
+    const int h32 = half * 32; /* this half's bytes in each 64-byte part of a chunk */
+    __m256 acc[AVX2_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
+        const uint8_t *scales = tile + Q6_TILE_VALUES;
+        __m256i isum[AVX2_ROWS];
+        for (int r = 0; r < R; r++) {
+            isum[r] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
+            const uint8_t *chunk = tile + j * Q6_CHUNK;
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + h32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 64 + h32), _MM_HINT_T0);
+            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 128 + h32), _MM_HINT_T0);
+            const __m256i l01 = _mm256_loadu_si256((const __m256i *)(chunk + h32));
+            const __m256i l23 = _mm256_loadu_si256((const __m256i *)(chunk + 64 + h32));
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(chunk + 128 + h32));
+            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l01, nibble),
+                                               _mm256_and_si256(_mm256_slli_epi16(h, 4), high_bits));
+            const __m256i q1 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l01, 4), nibble),
+                _mm256_and_si256(_mm256_slli_epi16(h, 2), high_bits));
+            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(l23, nibble),
+                                               _mm256_and_si256(h, high_bits));
+            const __m256i q3 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(l23, 4), nibble),
+                _mm256_and_si256(_mm256_srli_epi16(h, 2), high_bits));
+            int64_t eight;
+            memcpy(&eight, scales + j * LANES + half * (LANES / 2), sizeof eight);
+            const __m256i scale = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight));
+            const __m256i scale_pairs = _mm256_or_si256(_mm256_and_si256(scale, low_half),
+                                                        _mm256_slli_epi32(scale, 16));
+            const __m256i offset = _mm256_and_si256(
+                _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(scale, 5)), low_half);
+            for (int r = 0; r < R; r++) {
+                const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
+                const uint8_t *qs = xb + 4 + j * 16;
+                int32_t x0, x1, x2, x3;
+                int16_t bsum;
+                memcpy(&x0, qs, 4);
+                memcpy(&x1, qs + 4, 4);
+                memcpy(&x2, qs + 8, 4);
+                memcpy(&x3, qs + 12, 4);
+                memcpy(&bsum, xb + 4 + QK_K + j * 2, 2);
+                const __m256i p01 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(q0, _mm256_set1_epi32(x0)),
+                    _mm256_maddubs_epi16(q1, _mm256_set1_epi32(x1)));
+                const __m256i p23 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(q2, _mm256_set1_epi32(x2)),
+                    _mm256_maddubs_epi16(q3, _mm256_set1_epi32(x3)));
+                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p01, scale_pairs),
+                                                     _mm256_madd_epi16(p23, scale_pairs));
+                isum[r] = _mm256_add_epi32(
+                    isum[r], _mm256_add_epi32(dot, _mm256_madd_epi16(offset,
+                                                                     _mm256_set1_epi16(bsum))));
+            }
+        }
+        const __m256 wscale = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(scales + Q6_TILE_SCALES + half * LANES)));
+        for (int r = 0; r < R; r++) {
+            float xd;
+            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            const __m256 scale = _mm256_mul_ps(_mm256_set1_ps(xd), wscale);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        store_lanes_avx2(out + r * out_stride + half * (LANES / 2), acc[r], keep);
+    }
+}
+
+/* q6_tile_pass with the AVX2 kernel, for any R from 1 to 8. */
+AVX2_TARGET static inline void q6_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                                 const uint8_t *x, int64_t x_stride, float *out,
+                                                 int64_t out_stride, int lanes) {
+    for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
+        const uint8_t *xr = x + r0 * x_stride;
+        float *o = out + r0 * out_stride;
+        for (int half = 0; half < 2; half++) {
+            const int keep = lanes - half * (LANES / 2);
+            switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
+            case 1: q6_half_rows_avx2(w, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
+            case 2: q6_half_rows_avx2(w, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
+            case 3: q6_half_rows_avx2(w, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
+            default: q6_half_rows_avx2(w, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
+            }
+        }
+    }
+}
+
 #endif /* BUTTER_X86 */
 
 #endif /* BUTTER_Q6_K_TILES_H */

@@ -1,6 +1,7 @@
 /*
- * Q8_0 matrices laid out for AVX512-VNNI, shared by butter's two kernels: the output
- * projection (lmhead.c) and the layer matmuls it plugs into llama.cpp (body.cpp).
+ * Q8_0 matrices laid out for AVX512-VNNI (and read by the AVX2 kernels too), shared by
+ * butter's two kernels: the output projection (lmhead.c) and the layer matmuls it plugs
+ * into llama.cpp (layer_matmul.cpp).
  *
  * A matrix of N rows (each n_embd wide, stored as Q8_0 blocks of 32) becomes tiles of 16
  * rows. In a tile, each block's 32 int8 weights are stored as 8 groups of 4 bytes per row,
@@ -17,7 +18,7 @@
  * scales; only the float summation over blocks may differ in order (last bits). A row's
  * result never depends on the other rows computed with it.
  *
- * Everything here is static: C (lmhead.c) and C++ (body.cpp) both include it.
+ * Everything here is static: C (lmhead.c) and C++ (layer_matmul.cpp) both include it.
  */
 #ifndef BUTTER_Q8_0_TILES_H
 #define BUTTER_Q8_0_TILES_H
@@ -147,6 +148,92 @@ VNNI_TARGET static inline void q8_tile_pass(const int8_t *wq, const uint16_t *wd
     case 6: q8_tile_rows(wq, wd, wsum, nb, t, 6, xq, xd, out, out_stride, lanes); break;
     case 7: q8_tile_rows(wq, wd, wsum, nb, t, 7, xq, xd, out, out_stride, lanes); break;
     default: q8_tile_rows(wq, wd, wsum, nb, t, 8, xq, xd, out, out_stride, lanes); break;
+    }
+}
+
+/* The AVX2 kernels (no VNNI): 8 matrix rows per 256-bit half of a tile, up to AVX2_ROWS
+ * activation rows per pass, so accumulators and weights fit the 16 registers. */
+#define AVX2_ROWS 4
+
+/* Stores the first `keep` (0..8) of 8 floats. */
+AVX2_TARGET static inline __attribute__((always_inline)) void store_lanes_avx2(float *out,
+                                                                               __m256 v,
+                                                                               int keep) {
+    if (keep >= 8) {
+        _mm256_storeu_ps(out, v);
+    } else if (keep > 0) {
+        const __m256i order = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_maskstore_ps(out, _mm256_cmpgt_epi32(_mm256_set1_epi32(keep), order), v);
+    }
+}
+
+/* Half `half` (8 lanes) of tile t for R activation rows quantized with offset 0 (signed).
+ * Without VNNI, products go through maddubs (unsigned x signed bytes into saturating 16-bit
+ * pairs), so it uses ggml's sign trick instead of the +128 offset: |w| times x with w's
+ * sign. In this order a weight of -128 works too (|x| <= 127, so a pair is at most
+ * 2 x 128 x 127 and never saturates). The block sums (wsum) are not needed. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+q8_half_rows_avx2(const int8_t *wq, const uint16_t *wd, int64_t nb, int64_t t, int half,
+                  const int R, const uint8_t *xq, const float *xd, float *out,
+                  int64_t out_stride, int keep) {
+    const int64_t n = nb * QK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[AVX2_ROWS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t tb = t * nb + b;
+        const int8_t *w = wq + tb * QK * LANES + half * (LANES / 2) * 4;
+        __m256i dot[AVX2_ROWS];
+        for (int r = 0; r < R; r++) {
+            dot[r] = _mm256_setzero_si256();
+        }
+        for (int g = 0; g < GROUPS; g++) {
+            const __m256i weights = _mm256_loadu_si256((const __m256i *)(w + g * LANES * 4));
+            const __m256i magnitudes = _mm256_abs_epi8(weights); /* -128 -> 128 as unsigned */
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                memcpy(&four, xq + r * n + b * QK + g * 4, sizeof four);
+                const __m256i x = _mm256_set1_epi32(four);
+                const __m256i pairs = _mm256_maddubs_epi16(magnitudes,
+                                                           _mm256_sign_epi8(x, weights));
+                dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+        const __m256 wscale = _mm256_cvtph_ps(
+            _mm_loadu_si128((const __m128i *)(wd + tb * LANES + half * (LANES / 2))));
+        for (int r = 0; r < R; r++) {
+            const __m256 scale = _mm256_mul_ps(wscale, _mm256_set1_ps(xd[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), scale, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        store_lanes_avx2(out + r * out_stride + half * (LANES / 2), acc[r], keep);
+    }
+}
+
+/* Tile t's outputs for R (1..8) activation rows, like q8_tile_pass, with the AVX2 kernel:
+ * the rows quantized with offset 0. A tile's weights (16 x n bytes) stay in L1 across the
+ * passes. */
+AVX2_TARGET static inline void q8_tile_pass_avx2(const int8_t *wq, const uint16_t *wd, int64_t nb,
+                                                 int64_t t, int R, const uint8_t *xq,
+                                                 const float *xd, float *out, int64_t out_stride,
+                                                 int lanes) {
+    const int64_t n = nb * QK;
+    for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
+        const uint8_t *x = xq + r0 * n;
+        const float *d = xd + r0 * nb;
+        float *o = out + r0 * out_stride;
+        for (int half = 0; half < 2; half++) {
+            const int keep = lanes - half * (LANES / 2);
+            switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
+            case 1: q8_half_rows_avx2(wq, wd, nb, t, half, 1, x, d, o, out_stride, keep); break;
+            case 2: q8_half_rows_avx2(wq, wd, nb, t, half, 2, x, d, o, out_stride, keep); break;
+            case 3: q8_half_rows_avx2(wq, wd, nb, t, half, 3, x, d, o, out_stride, keep); break;
+            default: q8_half_rows_avx2(wq, wd, nb, t, half, 4, x, d, o, out_stride, keep); break;
+            }
+        }
     }
 }
 

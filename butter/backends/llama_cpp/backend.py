@@ -36,6 +36,7 @@ from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import PROMPT_TILE_ROWS, Stepper
 from butter.backends.shaping import StepShaper
 from butter.backends.worker import BackendWorker
+from butter.cpu import this_cpu
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
 
@@ -121,6 +122,9 @@ class LlamaCppBackend:
             # who multiplies the layers' Q8_0, Q6_K and Q5_K matrices: "butter (...)" or
             # "llama.cpp (why)"
             "layer_matmuls": self.model.layers_by,
+            # the CPU class, and who multiplies each type of layer matrix (kernels.py)
+            "kernels": {"cpu": this_cpu().as_dict(), "layers": self.model.layer_kernels,
+                        "output": self.lm_head},
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
         }

@@ -5,16 +5,20 @@ step, and for Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 code has only generic
 that, far below what the cores can do. The native library adds a buffer type to llama.cpp's
 CPU backend, the way llama.cpp's own repacked kernels plug in: at load, a layer's plain 2-D
 Q8_0, Q6_K and Q5_K weights are stored there in butter's tile layout, and their matmuls then
-run butter's AVX512-VNNI kernels on llama.cpp's own threads. Any other weight, type or op
-stays with llama.cpp.
+run butter's kernels (AVX512-VNNI or AVX2, kernels.py's table) on llama.cpp's own threads.
+Any other weight, type or op stays with llama.cpp.
 
-It applies where: the extension is built, the CPU has AVX512-VNNI, llama.cpp runs on the
-CPU, its extra buffer types are on (they are off with `--deterministic`), and the ggml
-structures the library mirrors match the running ggml (checked here before anything is
-registered). Registration is once per process and must come before llama.cpp first lists
-its buffer types, at its first model load; `register` runs from `init_llama_backend`.
-Whether a given load may use it is chosen per load (`accepting`), and the result is read
-back: the matrices stored there, from the library's counters.
+It applies where: the extension is built, the CPU has AVX2 (FMA, F16C) or AVX512-VNNI,
+llama.cpp runs on the CPU, its extra buffer types are on (they are off with
+`--deterministic`), and the ggml structures the library mirrors match the running ggml:
+checked here before anything is registered, field by field, on tensors and a buffer the
+running ggml made. Once registered, each type's kernel computes probe products through a
+real ggml graph against llama.cpp's own (`self_check`); a type that disagrees stays with
+llama.cpp, and `/v1/server` says why. Registration is once per process and must come
+before llama.cpp first lists its buffer types, at its first model load; `register` runs
+from `init_llama_backend`. Whether a given load may use it is chosen per load
+(`accepting`), and the result is read back: the matrices stored there, from the library's
+counters.
 """
 
 from __future__ import annotations
@@ -30,18 +34,33 @@ from typing import Any
 import attrs
 import llama_cpp
 
+from butter.backends.kernels import (
+    TYPE_BITS,
+    Isa,
+    butter_layer_types,
+    isa_number,
+    isa_of,
+    requested_isa,
+)
+
 log = logging.getLogger(__name__)
 
 _P = ctypes.c_void_p
 _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
-    "butter_layer_matmul_supported": (_I32, []),
-    "butter_layer_matmul_register": (_I32, [_P, _P, _P, _P, _P, _P, _P, _P]),
+    "butter_layer_matmul_best_isa": (_I32, []),
+    "butter_layer_matmul_function_names": (ctypes.c_char_p, []),
+    "butter_layer_matmul_bind": (_I32, [_P, _SIZE]),
+    "butter_layer_matmul_check_mirror": (_I32, [_P]),
+    "butter_layer_matmul_register": (_I32, [_P, _I32, _I32]),
+    "butter_layer_matmul_enable_types": (_I32, [_I32]),
+    "butter_layer_matmul_self_check": (
+        _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
     "butter_layer_matmul_accept": (_I32, [_I32]),
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
@@ -55,6 +74,22 @@ GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
 # `std::vector<ggml_backend_buffer_type_t> & ggml_backend_cpu_get_extra_buffer_types()`).
 EXTRA_BUFFER_TYPES_SYMBOL = "_Z39ggml_backend_cpu_get_extra_buffer_typesv"
+ISA_VARIABLE = "BUTTER_KERNEL_ISA"  # (shared with the output projection: lmhead.py)
+
+# butter_layer_matmul_check_mirror's bits: the mirrored fields that disagree.
+MIRROR_FIELDS = ("type", "ne", "nb", "data", "name", "view_src/view_offs", "op/src",
+                 "buffer", "buffer type", "extra", "(ggml could not make the probes)")
+
+# The self-check's probe products, one per shape class a model's matmuls fall in: one row
+# (a single stream), a partial pass of the AVX2 kernel (5 = 4 + 1), a whole pass of 8; n
+# is 2 whole tiles and half of one (a matrix's last tile may be partial), k two K-quant
+# blocks. Each compares butter's kernel with llama.cpp's on 2 threads.
+SELF_CHECK_SHAPES = ((512, 40, 1), (512, 40, 5), (512, 40, 8))
+SELF_CHECK_THREADS = 2
+# Both compute the same integer block products; only the float sums over blocks differ in
+# order, so the largest difference is float rounding of the largest value.
+SELF_CHECK_TOLERANCE = 1e-4
+SELF_CHECK_PERTURBATION = 0.0  # tests set it: a wrong kernel result must fail the check
 
 
 class Unavailable(Exception):
@@ -79,8 +114,11 @@ class LayerMatmul:
     """The registered library: choose per load whether Q8_0, Q6_K and Q5_K weights may go
     there, and read what it has done."""
 
-    def __init__(self, lib: Any) -> None:
+    def __init__(self, lib: Any, isa: Isa, types: dict[str, str]) -> None:
         self._lib = lib
+        self.isa = isa
+        # each type butter has a kernel for on this ISA: "butter", or "llama.cpp (why)"
+        self.types = types
         self._loading = threading.Lock()  # `accepting` is process-wide in the library
 
     def counters(self) -> Counters:
@@ -170,6 +208,15 @@ def _ggml_libraries() -> tuple[Any, Any]:
     return loaded[0], loaded[1]
 
 
+def ggml_type_name(number: int) -> str:
+    """ggml's own name of a type number ("q8_0", "q6_K", "f16"; ggml does not check the
+    number: only types of a file llama.cpp loaded)."""
+    base, _ = _ggml_libraries()
+    base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
+    name = base.ggml_type_name(number)
+    return name.decode() if name else f"type {number}"
+
+
 def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
@@ -242,29 +289,93 @@ def listed_buffer_type_names() -> list[str]:
     return [base.ggml_backend_buft_name(buft).decode() for buft in listed]
 
 
+def _function_addresses(lib: Any, base: Any, cpu: Any) -> ctypes.Array[ctypes.c_void_p]:
+    """The ggml functions the library asks for, by the names it lists, in its order."""
+    names = lib.butter_layer_matmul_function_names().decode().split(",")
+    addresses = (_P * len(names))()
+    for i, name in enumerate(names):
+        for library in (cpu, base):
+            try:
+                addresses[i] = ctypes.cast(getattr(library, name), _P).value
+                break
+            except AttributeError:
+                continue
+        else:
+            raise Unavailable(f"llama.cpp's ggml lacks {name}")
+    return addresses
+
+
+def _check_mirror_fields(lib: Any) -> None:
+    wrong = ctypes.c_int32()
+    if lib.butter_layer_matmul_check_mirror(ctypes.byref(wrong)) != OK:
+        raise Unavailable("the mirror check could not run")
+    fields = [name for bit, name in enumerate(MIRROR_FIELDS) if wrong.value & (1 << bit)]
+    if fields:
+        raise Unavailable(f"this ggml's structures differ from the mirror ({', '.join(fields)})")
+
+
+def self_check(lib: Any, ggml_type: int, *, perturbation: float) -> str:
+    """"" if butter's kernel for this type gives llama.cpp's products on every probe shape,
+    else why not."""
+    for k, n, rows in SELF_CHECK_SHAPES:
+        out = (ctypes.c_double * 3)()
+        status = lib.butter_layer_matmul_self_check(
+            ggml_type, k, n, rows, SELF_CHECK_THREADS, perturbation, out, ctypes.sizeof(out))
+        if status != OK:
+            return f"self-check could not run (status {status})"
+        worst, largest, ran = float(out[0]), float(out[1]), bool(out[2])
+        if not ran:
+            return "self-check: llama.cpp did not call butter's kernel"
+        if not worst <= SELF_CHECK_TOLERANCE * max(largest, 1e-30):
+            return (f"self-check failed: {rows} x {k} by {n} differs from llama.cpp's by "
+                    f"{worst:.3g} (largest value {largest:.3g})")
+    return ""
+
+
+def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
+    """Each type the ISA's kernels cover: "butter", or "llama.cpp (why)"; and the library
+    told which to accept."""
+    mirror = (ctypes.c_int64 * MIRRORED)()
+    lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
+    numbers = {"q8_0": int(mirror[2]), "q6_K": int(mirror[3]), "q5_K": int(mirror[4])}
+    verdicts: dict[str, str] = {}
+    accepted = 0
+    for name in butter_layer_types(isa):
+        why_not = self_check(lib, numbers[name], perturbation=SELF_CHECK_PERTURBATION)
+        if why_not:
+            log.warning("butter's %s %s layer kernel is off: %s", isa.value, name, why_not)
+            verdicts[name] = f"llama.cpp ({why_not})"
+        else:
+            verdicts[name] = "butter"
+            accepted |= TYPE_BITS[name]
+    lib.butter_layer_matmul_enable_types(accepted)
+    return verdicts
+
+
 def _register() -> LayerMatmul:
     if llama_cpp.llama_supports_gpu_offload():
         raise Unavailable("a GPU build of llama.cpp")
     lib = _library()
-    if not lib.butter_layer_matmul_supported():
-        raise Unavailable("this CPU lacks AVX512-VNNI or AVX512BW")
+    try:
+        isa, why = requested_isa(os.environ.get(ISA_VARIABLE),
+                                 isa_of(int(lib.butter_layer_matmul_best_isa())))
+    except ValueError as exc:
+        raise Unavailable(str(exc)) from None
+    if isa is Isa.NONE:
+        raise Unavailable(why or "this CPU has neither AVX512-VNNI nor AVX2 (with FMA, F16C)")
     base, cpu = _ggml_libraries()
     _check_mirror(lib, base, cpu)
+    addresses = _function_addresses(lib, base, cpu)
+    if lib.butter_layer_matmul_bind(addresses, len(addresses)) != OK:
+        raise Unavailable("the library refused ggml's functions")
+    _check_mirror_fields(lib)
     device = _cpu_device(base, cpu)
-    functions = [
-        ctypes.cast(getattr(cpu, EXTRA_BUFFER_TYPES_SYMBOL), _P),
-        ctypes.cast(cpu.ggml_backend_cpu_buffer_type, _P),
-        ctypes.cast(base.ggml_backend_buft_alloc_buffer, _P),
-        ctypes.cast(base.ggml_backend_buft_is_host, _P),
-        ctypes.cast(cpu.ggml_barrier, _P),
-        ctypes.cast(base.ggml_nbytes, _P),
-        ctypes.cast(cpu.quantize_row_q8_K, _P),
-    ]
-    status = lib.butter_layer_matmul_register(*functions, device)
+    wanted = sum(TYPE_BITS[name] for name in butter_layer_types(isa))
+    status = lib.butter_layer_matmul_register(device, isa_number(isa), wanted)
     if status == DECLINED:
-        raise Unavailable("this CPU lacks AVX512-VNNI or AVX512BW")
+        raise Unavailable(f"this CPU lacks {isa.value}")
     if status != OK:
         raise Unavailable(f"registration failed (status {status})")
     if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):
         raise Unavailable("llama.cpp listed its buffer types before butter registered")
-    return LayerMatmul(lib)
+    return LayerMatmul(lib, isa, _self_checked_types(lib, isa))

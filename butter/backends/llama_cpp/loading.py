@@ -20,9 +20,12 @@ import llama_cpp as ll
 import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
+from butter.backends.gguf_tensors import read_header
+from butter.backends.kernels import Isa, Kernel, layer_kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Unavailable, Verdict
 from butter.backends.shaping import padded_outputs
+from butter.cpu import this_cpu
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType, parse_kv_cache
 from butter.models import check_gguf_file
@@ -87,8 +90,11 @@ class LlamaModel:
         self._piece_buffer = ctypes.create_string_buffer(256)
         self.model: Any
         repack = repack and not _crashing_buffer_type_listed()
-        self.model, self.layers_by = _load_model(path, repack=repack, fast_layers=fast_layers)
+        self.model, self.layers_by, stored = _load_model(path, repack=repack,
+                                                         fast_layers=fast_layers)
         self.repack = repack
+        # who multiplies each type of layer matrix this model has (kernels.py's table)
+        self.layer_kernels = layer_kernels(path, stored=stored, repack=repack)
         self.ctx: Any = None
         self.batch: Any = None
         self.vocab = ll.llama_model_get_vocab(self.model)
@@ -325,9 +331,9 @@ def _crashing_buffer_type_listed() -> bool:
     return bool(crashing)
 
 
-def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str]:
-    """llama.cpp's model, and who computes its Q8_0, Q6_K and Q5_K layer matmuls: "butter (what
-    it took)", or "llama.cpp (why)" (layer_matmul.py)."""
+def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str, set[str]]:
+    """llama.cpp's model, who computes its Q8_0, Q6_K and Q5_K layer matmuls ("butter (ISA;
+    what it took)", or "llama.cpp (why)": layer_matmul.py), and the types butter took."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = repack  # weight repacking: see MIN_PROMPT_ROWS
     try:
@@ -340,18 +346,53 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
     elif not repack:
         why_not = "--deterministic turns llama.cpp's extra buffer types off"
     if kernel is None or why_not:
-        return _load_llama_model(path, params), f"llama.cpp ({why_not})"
+        return _load_llama_model(path, params), f"llama.cpp ({why_not})", set()
     before = kernel.counters()
     with kernel.accepting(True):
         model = _load_llama_model(path, params)
     after = kernel.counters()
-    stored = {"Q8_0": after.q8_0_matrices - before.q8_0_matrices,
-              "Q6_K": after.q6_k_matrices - before.q6_k_matrices,
-              "Q5_K": after.q5_k_matrices - before.q5_k_matrices}
+    stored = {"q8_0": after.q8_0_matrices - before.q8_0_matrices,
+              "q6_K": after.q6_k_matrices - before.q6_k_matrices,
+              "q5_K": after.q5_k_matrices - before.q5_k_matrices}
     if not any(stored.values()):
-        return model, "llama.cpp (no Q8_0, Q6_K or Q5_K layer matrices)"
-    counts = " + ".join(f"{n} {name}" for name, n in stored.items() if n)
-    return model, f"butter (AVX512-VNNI; {counts} matrices)"
+        failed = [name for name, who in kernel.types.items() if who != "butter"]
+        if failed:
+            return (model, f"llama.cpp (butter's {', '.join(failed)} kernels failed their "
+                    "self-check)", set())
+        return model, "llama.cpp (no Q8_0, Q6_K or Q5_K layer matrices)", set()
+    counts = " + ".join(f"{n} {name.upper()}" for name, n in stored.items() if n)
+    return (model, f"butter ({kernel.isa.value}; {counts} matrices)",
+            {name for name, n in stored.items() if n})
+
+
+def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, str]:
+    """For each type of the model's layer matrices: how many there are and who multiplies
+    them ("12 x butter (AVX2)", "84 x llama.cpp (repacked)", "llama.cpp (self-check
+    failed: ...)"), from kernels.py's table and what the load did."""
+    try:
+        kernel: layer_matmul.LayerMatmul | None = layer_matmul.registered()
+    except layer_matmul.Unavailable:
+        kernel = None
+    isa = kernel.isa if kernel is not None else Isa.NONE
+    cpu_isa = this_cpu().isa
+    table_isa = Isa(cpu_isa) if cpu_isa in {isa.value for isa in Isa} else Isa.NONE
+    counts: dict[str, int] = {}
+    for tensor in read_header(path).tensors.values():
+        if tensor.name.startswith("blk.") and len(tensor.shape) == 2 and tensor.shape[1] > 1:
+            name = layer_matmul.ggml_type_name(tensor.ggml_type)
+            counts[name] = counts.get(name, 0) + 1
+    verdicts: dict[str, str] = {}
+    for name, count in sorted(counts.items()):
+        if name in stored:
+            who = f"butter ({isa.value})"
+        elif kernel is not None and kernel.types.get(name, "butter") != "butter":
+            who = kernel.types[name]  # its self-check failed
+        elif repack and layer_kernel(table_isa, name) is Kernel.REPACKED:
+            who = Kernel.REPACKED.value
+        else:
+            who = Kernel.GENERIC.value
+        verdicts[name] = f"{count} x {who}"
+    return verdicts
 
 
 def _load_llama_model(path: Path, params: Any) -> Any:
