@@ -1,5 +1,5 @@
 """butter's compiled parts: the output-projection kernel (butter/native/lmhead.c) and the
-Q8_0, Q6_K and Q5_K layer matmuls it plugs into llama.cpp (butter/native/layer_matmul.cpp).
+layer matmuls it plugs into llama.cpp (butter/native/layer_matmul.cpp).
 
 Everything else is in pyproject.toml. Both extensions are optional: where one cannot be
 built, butter installs without it and llama.cpp computes that part itself.
@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 
 # Both extensions include these: editing one must rebuild them.
 TILE_HEADERS = ["butter/native/q8_0_tiles.h", "butter/native/q6_k_tiles.h",
-                "butter/native/q5_k_tiles.h"]
+                "butter/native/q5_k_tiles.h", "butter/native/q4_1_q5_0_tiles.h"]
 
 # OpenMP shares llama.cpp's worker threads (the same libgomp) instead of adding more.
 openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []

@@ -66,6 +66,29 @@ def tiny_q5_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
+def _quantized_tiny(folder: Path, ftype: int, name: str) -> Path:
+    f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
+    target = folder / name
+    params = ll.llama_model_quantize_default_params()
+    params.ftype, params.nthread = ftype, 2
+    assert ll.llama_model_quantize(str(f32).encode(), str(target).encode(), params) == 0
+    return target
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model 256 wide in Q4_1 (llama.cpp's quantizer), as SmolLM2's GGUFs."""
+    return _quantized_tiny(tmp_path_factory.mktemp("q4_1"), ll.LLAMA_FTYPE_MOSTLY_Q4_1,
+                           "tiny-256-q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_q5_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model 256 wide in Q5_0, the type Gemma 3 270M's Q4_K_M file has most of."""
+    return _quantized_tiny(tmp_path_factory.mktemp("q5_0"), ll.LLAMA_FTYPE_MOSTLY_Q5_0,
+                           "tiny-256-q5_0.gguf")
+
+
 def _kernel_or_skip() -> LayerMatmul:
     llama_loading.init_llama_backend()
     try:
@@ -81,7 +104,8 @@ def _backend(path: Path, *, fast_layers: bool, repack: bool = True) -> LlamaCppB
 
 MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 TILED = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q6_K": gguf.GGMLQuantizationType.Q6_K,
-         "Q5_K": gguf.GGMLQuantizationType.Q5_K}
+         "Q5_K": gguf.GGMLQuantizationType.Q5_K, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
+         "Q5_0": gguf.GGMLQuantizationType.Q5_0}
 
 
 def _tiled_layer_matrices(path: Path) -> dict[str, int]:
@@ -103,7 +127,7 @@ def _since(before: Counters, after: Counters) -> Counters:
 
 
 @pytest.mark.parametrize("fixture", ["tiny_gguf", "tiny_q4_k_m_gguf", "tiny_q5_k_m_gguf",
-                                     "demo_gguf"])
+                                     "tiny_q4_1_gguf", "tiny_q5_0_gguf", "demo_gguf"])
 def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
     fixture: str, request: pytest.FixtureRequest,
 ) -> None:
@@ -116,8 +140,7 @@ def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
     try:
         taken = _since(before, kernel.counters())
         # (Q4_K_M's Q4_K matrices go to llama.cpp's repacking, first in its list)
-        assert {"Q8_0": taken.q8_0_matrices, "Q6_K": taken.q6_k_matrices,
-                "Q5_K": taken.q5_k_matrices} == expected
+        assert {name.upper(): n for name, n in taken.by_type().items()} == expected
         counts = " + ".join(f"{n} {name}" for name, n in expected.items() if n)
         assert backend.model.layers_by == f"butter ({kernel.isa.value}; {counts} matrices)"
         # /v1/server's table: each type's count and who multiplies it
@@ -244,13 +267,17 @@ PRODUCTS = {
                            "Vcur-0": "blk.0.attn_v.weight"},
     "tiny_q4_k_m_gguf": {"Vcur-1": "blk.1.attn_v.weight"},
     "tiny_q5_k_m_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
+    "tiny_q4_1_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
+    "tiny_q5_0_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
 }
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 21])
 @pytest.mark.parametrize(("fixture", "qtype"), [("tiny_256_q8_0_gguf", "Q8_0"),
                                                  ("tiny_q4_k_m_gguf", "Q6_K"),
-                                                 ("tiny_q5_k_m_gguf", "Q5_K")])
+                                                 ("tiny_q5_k_m_gguf", "Q5_K"),
+                                                 ("tiny_q4_1_gguf", "Q4_1"),
+                                                 ("tiny_q5_0_gguf", "Q5_0")])
 def test_each_product_is_llama_cpps_to_float_rounding(
     fixture: str, qtype: str, tokens: int, request: pytest.FixtureRequest,
 ) -> None:
@@ -366,15 +393,15 @@ def test_no_buffer_type_that_crashes_llama_cpp_is_offered_weights(demo_gguf: Pat
 def test_every_kernel_of_this_isa_passed_its_self_check() -> None:
     kernel = _kernel_or_skip()
     assert kernel.types == {name: "butter" for name in butter_layer_types(kernel.isa)}
-    assert set(kernel.types) == {"q8_0", "q6_K", "q5_K"}
+    assert set(kernel.types) == {"q8_0", "q6_K", "q5_K", "q4_1", "q5_0"}
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q6_K", "q5_K"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q6_K", "q5_K", "q4_1", "q5_0"])
 def test_a_wrong_kernel_result_fails_the_self_check(qtype: str) -> None:
     """One value of butter's product off by 1% of the largest: the check must see it (and
     the true kernel passes the same probes)."""
     kernel = _kernel_or_skip()
-    number = {"q8_0": 8, "q6_K": 14, "q5_K": 13}[qtype]
+    number = {"q8_0": 8, "q6_K": 14, "q5_K": 13, "q4_1": 3, "q5_0": 6}[qtype]
     assert layer_matmul.ggml_type_name(number) == qtype
     assert layer_matmul.self_check(kernel._lib, number, perturbation=0.0) == ""
     why = layer_matmul.self_check(kernel._lib, number, perturbation=0.01)
@@ -406,7 +433,7 @@ def test_a_type_that_fails_its_self_check_stays_with_llama_cpp(tiny_gguf: Path) 
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(why.startswith("llama.cpp (self-check failed:") for why in found["types"].values())
     assert found["diagnostics"]["layer_matmuls"] == (
-        "llama.cpp (butter's q8_0, q6_K, q5_K kernels failed their self-check)")
+        "llama.cpp (butter's q8_0, q6_K, q5_K, q4_1, q5_0 kernels failed their self-check)")
     assert all("self-check failed" in who
                for who in found["diagnostics"]["kernels"]["layers"].values()
                if "x llama.cpp (repacked)" not in who)
@@ -438,7 +465,7 @@ def test_the_avx2_kernels_pass_their_self_checks_where_avx512_vnni_is_best() -> 
     run = subprocess.run([sys.executable, "-c", _FORCED_AVX2], capture_output=True, text=True,
                          timeout=300, check=True, env={**os.environ, "BUTTER_KERNEL_ISA": "avx2"})
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    assert found == {"isa": "AVX2", "types": {name: "butter" for name in ("q8_0", "q6_K", "q5_K")}}
+    assert found == {"isa": "AVX2", "types": {name: "butter" for name in TYPE_BITS}}
 
 
 class _Mismatched:
@@ -481,5 +508,5 @@ def test_the_table_gives_butter_exactly_the_types_the_library_multiplies() -> No
         assert set(butter_layer_types(isa)) == set(TYPE_BITS)
         # llama.cpp's own repacking keeps what it covers on x86 (Q4_0, Q4_K, ...)
         assert layer_kernel(isa, "q4_K") is Kernel.REPACKED
-        assert layer_kernel(isa, "q4_1") is Kernel.GENERIC
+        assert layer_kernel(isa, "q3_K") is Kernel.GENERIC
     assert butter_layer_types(Isa.NEON) == [] and butter_layer_types(Isa.NONE) == []

@@ -2,7 +2,8 @@
 set, quant type and role (pure: what it says is checked at load, see layer_matmul.py).
 
 butter brings its own kernels where llama.cpp's x86 code has only generic paths for a type:
-the layer matrices in Q8_0, Q6_K and Q5_K (layer_matmul.cpp), and the output projection
+the layer matrices in Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 (layer_matmul.cpp; Q5_0 is what
+llama.cpp's quantizer writes where a K-quant does not fit a row), and the output projection
 (lmhead.c). Where llama.cpp repacks a type into an interleaved layout of its own (Q4_0,
 Q4_K, IQ4_NL and MXFP4 on AVX2 and up, Q2_K on AVX512), its kernel is already the fast one
 and butter leaves it. Everything else is llama.cpp's generic code.
@@ -38,11 +39,13 @@ class Kernel(StrEnum):
 LAYER_KERNELS: dict[Isa, dict[str, Kernel]] = {
     Isa.AVX512_VNNI: {
         "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
+        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER,
         "q4_0": Kernel.REPACKED, "q4_K": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
         "mxfp4": Kernel.REPACKED, "q2_K": Kernel.REPACKED,
     },
     Isa.AVX2: {
         "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
+        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER,
         "q4_0": Kernel.REPACKED, "q4_K": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
         "mxfp4": Kernel.REPACKED,
     },
@@ -60,7 +63,7 @@ OUTPUT_NATIVE_TYPES = ("q8_0", "q6_K")
 OUTPUT_ISAS = (Isa.AVX512_VNNI, Isa.AVX2)
 
 # The layer types butter has kernels for, as the C library numbers them (TYPE_BIT_*).
-TYPE_BITS = {"q8_0": 1, "q6_K": 2, "q5_K": 4}
+TYPE_BITS = {"q8_0": 1, "q6_K": 2, "q5_K": 4, "q4_1": 8, "q5_0": 16}
 
 
 def isa_of(number: int) -> Isa:

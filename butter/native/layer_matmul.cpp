@@ -1,14 +1,16 @@
 /*
- * butter's Q8_0, Q6_K and Q5_K layer matmuls, plugged into llama.cpp's CPU backend on x86
- * CPUs with AVX512-VNNI or AVX2 (one tile layout, one kernel per instruction set).
+ * butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls, plugged into llama.cpp's CPU
+ * backend on x86 CPUs with AVX512-VNNI or AVX2 (one tile layout per type, one kernel per
+ * instruction set).
  *
  * Why: with several sequences decoding at once, a step multiplies every layer matrix by 2-8
- * activation rows. For Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 CPU code has no interleaved
- * ("repacked") kernel, and its generic paths (tinyBLAS, or one dot product per row and
- * column) run those small products far below what the cores can do: on Qwen3-0.6B's shape
- * in Q8_0 the layer matmuls were ~2/3 of an 8-row step. The tile layout that made butter's
- * output projection 4x faster at 8 rows (q8_0_tiles.h) serves any Q8_0 matrix, and Q6_K
- * and Q5_K get the same layout with their values kept packed (q6_k_tiles.h, q5_k_tiles.h).
+ * activation rows. For these types llama.cpp's x86 CPU code has no interleaved ("repacked")
+ * kernel, and its generic paths (tinyBLAS, or one dot product per row and column) run those
+ * small products far below what the cores can do: on Qwen3-0.6B's shape in Q8_0 the layer
+ * matmuls were ~2/3 of an 8-row step. The tile layout that made butter's output projection
+ * 4x faster at 8 rows (q8_0_tiles.h) serves any Q8_0 matrix, and the other types get the
+ * same layout with their values kept packed (q6_k_tiles.h, q5_k_tiles.h,
+ * q4_1_q5_0_tiles.h).
  *
  * How: the way llama.cpp's own repacked kernels plug in. The CPU backend keeps a list of
  * "extra" buffer types; when it loads a model, it offers each weight to them in order, and
@@ -17,7 +19,7 @@
  * first for every node, and a matmul whose weight lives here runs here, on the CPU
  * backend's own threads, with its own work buffer and barrier. So this file adds a buffer
  * type to that list, before the first model is loaded, and accepts exactly one thing: a
- * layer's plain 2-D Q8_0, Q6_K or Q5_K weight multiplied by f32 activations. Everything else
+ * layer's plain 2-D weight of one of those types multiplied by f32 activations. Everything else
  * (other types, other ops, anything llama.cpp's repacking takes first) stays with
  * llama.cpp.
  *
@@ -53,11 +55,12 @@
 #include <cstring>
 #include <vector>
 
+#include "q4_1_q5_0_tiles.h"
 #include "q5_k_tiles.h"
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 5
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 6
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -74,9 +77,12 @@
 #define TYPE_BIT_Q8_0 1
 #define TYPE_BIT_Q6_K 2
 #define TYPE_BIT_Q5_K 4
+#define TYPE_BIT_Q4_1 8
+#define TYPE_BIT_Q5_0 16
 
-/* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows */
-#define COUNTERS 6
+/* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows,
+ * Q4_1 and Q5_0 matrices */
+#define COUNTERS 8
 
 namespace ggml_mirror {
 
@@ -88,6 +94,8 @@ constexpr int MAX_NAME = 64;
 constexpr int TYPE_F32 = 0;
 constexpr int TYPE_Q8_0 = 8;
 constexpr int TYPE_Q5_K = 13;
+constexpr int TYPE_Q4_1 = 3;
+constexpr int TYPE_Q5_0 = 6;
 constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
 constexpr int STATUS_SUCCESS = 0;
@@ -252,7 +260,8 @@ std::atomic<bool> probing{false};
  * already here always run here: nothing else can read the layout. */
 std::atomic<bool> accepting{false};
 
-std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, q5_k_matrices{0}, packed_bytes{0},
+std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, q5_k_matrices{0}, q4_1_matrices{0},
+    q5_0_matrices{0}, packed_bytes{0},
     matmuls{0}, matmul_rows{0}, probe_matmuls{0};
 
 constexpr size_t ALIGN = 64;
@@ -282,6 +291,11 @@ struct Q8Layout {
     }
 };
 
+/* The tiled layouts of a K x N Q4_1 or Q5_0 matrix (q4_1_q5_0_tiles.h). */
+size_t nibble_bytes(const tensor *w, size_t tile_block_bytes) {
+    return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK)) * tile_block_bytes;
+}
+
 /* The tiled layouts of a K x N Q6_K or Q5_K matrix (q6_k_tiles.h, q5_k_tiles.h). */
 size_t k_quant_bytes(const tensor *w, size_t tile_block_bytes) {
     return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * tile_block_bytes;
@@ -310,6 +324,8 @@ int type_bit(int type) {
     case ggml_mirror::TYPE_Q8_0: return TYPE_BIT_Q8_0;
     case ggml_mirror::TYPE_Q6_K: return TYPE_BIT_Q6_K;
     case ggml_mirror::TYPE_Q5_K: return TYPE_BIT_Q5_K;
+    case ggml_mirror::TYPE_Q4_1: return TYPE_BIT_Q4_1;
+    case ggml_mirror::TYPE_Q5_0: return TYPE_BIT_Q5_0;
     default: return 0;
     }
 }
@@ -321,28 +337,38 @@ backend_buffer_type *buffer_type();
  * and a second packed copy here would cost its size in memory for a path rarely taken. */
 bool is_layer_weight(const tensor *w) { return strncmp(w->name, "blk.", 4) == 0; }
 
-/* A plain 2-D matrix of a type this file multiplies: Q8_0, Q6_K or Q5_K (which llama.cpp's
- * x86 code does not repack either). */
+bool is_k_quant(int type) {
+    return type == ggml_mirror::TYPE_Q6_K || type == ggml_mirror::TYPE_Q5_K;
+}
+
+/* Q4_1 and Q5_0: 32-weight blocks of 4-bit values (q4_1_q5_0_tiles.h). */
+bool is_nibble_type(int type) {
+    return type == ggml_mirror::TYPE_Q4_1 || type == ggml_mirror::TYPE_Q5_0;
+}
+
+/* A plain 2-D matrix of a type this file multiplies: Q8_0, Q6_K, Q5_K, Q4_1 or Q5_0 (which
+ * llama.cpp's x86 code does not repack either). */
 bool is_supported_weight(const tensor *w) {
     if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->view_src != nullptr) {
         return false;
     }
-    return (w->type == ggml_mirror::TYPE_Q8_0 && w->ne[0] % QK == 0) ||
-           ((w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) &&
-            w->ne[0] % QK_K == 0);
+    return ((w->type == ggml_mirror::TYPE_Q8_0 || is_nibble_type(w->type)) &&
+            w->ne[0] % QK == 0) ||
+           (is_k_quant(w->type) && w->ne[0] % QK_K == 0);
 }
 
 /* The activation rows of a matmul: src1's ne[1] x ne[2] x ne[3] rows of K floats. */
 int64_t activation_rows(const tensor *x) { return x->ne[1] * x->ne[2] * x->ne[3]; }
 
-/* Bytes of one activation row once quantized for the weight's type: Q8_0 bytes (+128) and
- * their float scales, or ggml's Q8_K blocks. */
+/* Bytes of one activation row once quantized for the weight's type: Q8_0 bytes and their
+ * float scales (Q4_1, Q5_0: and a float per block more), or ggml's Q8_K blocks. */
 size_t quantized_row_bytes(const tensor *w) {
     const int64_t k = w->ne[0];
-    if (w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) {
+    if (is_k_quant(w->type)) {
         return (size_t)(k / QK_K) * Q8_K_BLOCK_BYTES;
     }
-    return (size_t)k + (size_t)(k / QK) * sizeof(float);
+    const size_t floats = is_nibble_type(w->type) ? 2 : 1;
+    return (size_t)k + (size_t)(k / QK) * floats * sizeof(float);
 }
 
 /* Work buffer: the quantized rows, and one row of floats per thread to gather a row that
@@ -385,6 +411,27 @@ struct Q8Pass {
         } else {
             q8_tile_pass_avx2(layout.wq, layout.wd, layout.nb, t, R, xq + r * k,
                               xd + r * layout.nb, out, out_stride, lanes);
+        }
+    }
+};
+
+/* The same over a Q4_1 or Q5_0 matrix: the rows' bytes, their scales and their sums. */
+struct NibblePass {
+    const uint8_t *w;
+    const uint8_t *xq;
+    const float *xd, *xs;
+    int64_t nb;
+    bool q4_1, vnni;
+
+    void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
+                    int lanes) const {
+        const int64_t k = nb * QK;
+        if (vnni) {
+            q4_1_q5_0_tile_pass(w, nb, t, R, q4_1, xq + r * k, xd + r * nb, xs + r * nb, out,
+                                out_stride, lanes);
+        } else {
+            q4_1_q5_0_tile_pass_avx2(w, nb, t, R, q4_1, xq + r * k, xd + r * nb, xs + r * nb,
+                                     out, out_stride, lanes);
         }
     }
 };
@@ -467,7 +514,19 @@ void multiply(ggml_mirror::compute_params *params, tensor *dst) {
     uint8_t *xq = (uint8_t *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
     float *gather = (float *)(xq + aligned((size_t)rows * quantized_row_bytes(w)) +
                               (size_t)params->ith * aligned((size_t)k * sizeof(float)));
-    if (w->type == ggml_mirror::TYPE_Q6_K || w->type == ggml_mirror::TYPE_Q5_K) {
+    if (is_nibble_type(w->type)) {
+        const int64_t nb = k / QK;
+        const bool q4_1 = w->type == ggml_mirror::TYPE_Q4_1;
+        float *xd = (float *)(xq + rows * k), *xs = xd + rows * nb;
+        for (int64_t r = params->ith; r < rows; r += params->nth) {
+            q8_quantize_row_sums(activation_row(x, r, gather), k, q4_1, xq + r * k, xd + r * nb,
+                                 xs + r * nb);
+        }
+        barrier(params);
+        multiply_tiles(params, dst, rows,
+                       NibblePass{(const uint8_t *)w->data, xq, xd, xs, nb, q4_1,
+                                  kernel_isa == ISA_AVX512_VNNI});
+    } else if (is_k_quant(w->type)) {
         const int64_t row_bytes = (int64_t)quantized_row_bytes(w);
         for (int64_t r = params->ith; r < rows; r += params->nth) {
             ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
@@ -567,6 +626,8 @@ size_t tiled_bytes(const tensor *t) {
     switch (t->type) {
     case ggml_mirror::TYPE_Q6_K: return k_quant_bytes(t, Q6_TILE_BLOCK_BYTES);
     case ggml_mirror::TYPE_Q5_K: return k_quant_bytes(t, Q5_TILE_BLOCK_BYTES);
+    case ggml_mirror::TYPE_Q4_1: return nibble_bytes(t, Q4_1_TILE_BLOCK_BYTES);
+    case ggml_mirror::TYPE_Q5_0: return nibble_bytes(t, Q5_0_TILE_BLOCK_BYTES);
     default: return Q8Layout(t, nullptr).bytes();
     }
 }
@@ -575,7 +636,7 @@ void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offs
                 size_t size) {
     (void)buffer;
     if (!is_supported_weight(t)) {
-        fail("a tensor that is not a plain 2-D Q8_0, Q6_K or Q5_K matrix was stored");
+        fail("a tensor that is not a plain 2-D matrix of a type butter multiplies was stored");
     }
     if (offset != 0 || size != ggml.nbytes(t)) {
         fail("a weight was stored in parts");
@@ -587,6 +648,11 @@ void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offs
     } else if (t->type == ggml_mirror::TYPE_Q5_K) {
         q5_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
         stored = &q5_k_matrices;
+    } else if (is_nibble_type(t->type)) {
+        const bool q4_1 = t->type == ggml_mirror::TYPE_Q4_1;
+        q4_1_q5_0_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK, q4_1,
+                             (uint8_t *)t->data);
+        stored = q4_1 ? &q4_1_matrices : &q5_0_matrices;
     } else {
         const Q8Layout layout(t, t->data);
         q8_tiles_pack((const uint8_t *)data, t->ne[1], layout.nb, layout.wq, layout.wd,
@@ -809,9 +875,10 @@ extern "C" {
 int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_VERSION; }
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
- * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number. */
+ * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number, the Q4_1 and Q5_0 type
+ * numbers. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 6 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 8 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
@@ -820,6 +887,8 @@ int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
     out[3] = ggml_mirror::TYPE_Q6_K;
     out[4] = ggml_mirror::TYPE_Q5_K;
     out[5] = ggml_mirror::OP_MUL_MAT;
+    out[6] = ggml_mirror::TYPE_Q4_1;
+    out[7] = ggml_mirror::TYPE_Q5_0;
     return BUTTER_OK;
 }
 
@@ -959,7 +1028,7 @@ int32_t butter_layer_matmul_drop_buffer_type(void *extra_buffer_types, const cha
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
 void *butter_layer_matmul_buffer_type(void) { return registered ? &tile_buffer_type : nullptr; }
 
-/* Whether the next model loads may place their layers' Q8_0, Q6_K and Q5_K weights here. */
+/* Whether the next model loads may place their layers' weights here (of the enabled types). */
 int32_t butter_layer_matmul_accept(int32_t accept) {
     accepting.store(accept != 0);
     return BUTTER_OK;
@@ -974,6 +1043,8 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     out[0] = q8_0_matrices.load();
     out[1] = q6_k_matrices.load();
     out[2] = q5_k_matrices.load();
+    out[6] = q4_1_matrices.load();
+    out[7] = q5_0_matrices.load();
     out[3] = packed_bytes.load();
     out[4] = matmuls.load();
     out[5] = matmul_rows.load();
@@ -984,7 +1055,7 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
 
 static struct PyModuleDef layer_matmul_module = {
     PyModuleDef_HEAD_INIT, "_layer_matmul",
-    "butter's Q8_0, Q6_K and Q5_K layer matmuls for llama.cpp (loaded with ctypes, see "
+    "butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls for llama.cpp (loaded with ctypes, see "
     "butter/backends/llama_cpp/layer_matmul.py)",
     -1, NULL, NULL, NULL, NULL, NULL,
 };

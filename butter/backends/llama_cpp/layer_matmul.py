@@ -1,10 +1,10 @@
-"""butter's Q8_0, Q6_K and Q5_K layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp).
+"""butter's layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp).
 
 With several sequences decoding at once, every layer matrix is multiplied by 2-8 rows per
-step, and for Q8_0, Q6_K and Q5_K matrices llama.cpp's x86 code has only generic paths for
-that, far below what the cores can do. The native library adds a buffer type to llama.cpp's
-CPU backend, the way llama.cpp's own repacked kernels plug in: at load, a layer's plain 2-D
-Q8_0, Q6_K and Q5_K weights are stored there in butter's tile layout, and their matmuls then
+step, and for Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 matrices llama.cpp's x86 code has only
+generic paths for that, far below what the cores can do. The native library adds a buffer
+type to llama.cpp's CPU backend, the way llama.cpp's own repacked kernels plug in: at load,
+a layer's plain 2-D weights of those types are stored there in butter's tile layout, and their matmuls then
 run butter's kernels (AVX512-VNNI or AVX2, kernels.py's table) on llama.cpp's own threads.
 Any other weight, type or op stays with llama.cpp.
 
@@ -49,7 +49,7 @@ _P = ctypes.c_void_p
 _I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 5
+ABI_VERSION = 6
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -67,8 +67,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_drop_buffer_type": (_I32, [_P, ctypes.c_char_p]),
 }
 OK, DECLINED = 0, 1
-COUNTERS = 6  # Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows
-MIRRORED = 6  # butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT
+# Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1 and Q5_0
+# matrices stored
+COUNTERS = 8
+# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0
+MIRRORED = 8
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -104,10 +107,19 @@ class Counters:
     packed_bytes: int
     matmuls: int
     rows: int
+    q4_1_matrices: int
+    q5_0_matrices: int
 
     @property
     def matrices(self) -> int:
-        return self.q8_0_matrices + self.q6_k_matrices + self.q5_k_matrices
+        return (self.q8_0_matrices + self.q6_k_matrices + self.q5_k_matrices
+                + self.q4_1_matrices + self.q5_0_matrices)
+
+    def by_type(self) -> dict[str, int]:
+        """Matrices stored, by ggml's type name."""
+        return {"q8_0": self.q8_0_matrices, "q6_K": self.q6_k_matrices,
+                "q5_K": self.q5_k_matrices, "q4_1": self.q4_1_matrices,
+                "q5_0": self.q5_0_matrices}
 
 
 class LayerMatmul:
@@ -221,7 +233,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat = (int(v) for v in mirror)
+    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0 = (int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -232,13 +244,16 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "type Q8_0": base.ggml_type_name(q8_0),
         "type Q6_K": base.ggml_type_name(q6_k),
         "type Q5_K": base.ggml_type_name(q5_k),
+        "type Q4_1": base.ggml_type_name(q4_1),
+        "type Q5_0": base.ggml_type_name(q5_0),
         "op MUL_MAT": base.ggml_op_name(mul_mat),
         "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
             cpu.ggml_backend_cpu_buffer_type()),
     }
     expected = {
         "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
-        "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "op MUL_MAT": b"MUL_MAT",
+        "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "type Q4_1": b"q4_1",
+        "type Q5_0": b"q5_0", "op MUL_MAT": b"MUL_MAT",
         "CPU buffer type": b"CPU",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
@@ -337,7 +352,8 @@ def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
     told which to accept."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    numbers = {"q8_0": int(mirror[2]), "q6_K": int(mirror[3]), "q5_K": int(mirror[4])}
+    numbers = {"q8_0": int(mirror[2]), "q6_K": int(mirror[3]), "q5_K": int(mirror[4]),
+               "q4_1": int(mirror[6]), "q5_0": int(mirror[7])}
     verdicts: dict[str, str] = {}
     accepted = 0
     for name in butter_layer_types(isa):

