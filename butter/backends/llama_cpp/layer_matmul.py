@@ -4,8 +4,9 @@ With several sequences decoding at once, every layer matrix is multiplied by 2-8
 step, and for Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 matrices llama.cpp's x86 code has only
 generic paths for that, far below what the cores can do. The native library adds a buffer
 type to llama.cpp's CPU backend, the way llama.cpp's own repacked kernels plug in: at load,
-a layer's plain 2-D weights of those types are stored there in butter's tile layout, and their matmuls then
-run butter's kernels (AVX512-VNNI or AVX2, kernels.py's table) on llama.cpp's own threads.
+a layer's plain 2-D weights of those types are stored there in butter's tile layout, and
+their matmuls then run butter's kernels (AVX512-VNNI or AVX2, kernels.py's table) on
+llama.cpp's own threads.
 Any other weight, type or op stays with llama.cpp.
 
 It applies where: the extension is built, the CPU has AVX2 (FMA, F16C) or AVX512-VNNI,
