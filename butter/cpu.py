@@ -9,6 +9,7 @@ kernels run, and the cores.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from pathlib import Path
@@ -62,8 +63,10 @@ def parse_cpuinfo(text: str, *, cores: int) -> CpuClass:
                     flags=tuple(flag for flag in KERNEL_FLAGS if flag in flags), cores=cores)
 
 
+@functools.cache
 def this_cpu() -> CpuClass:
-    """This machine's class (from /proc/cpuinfo where there is one)."""
+    """This machine's class (from /proc/cpuinfo where there is one; read once: `/v1/server`
+    asks on every poll)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")

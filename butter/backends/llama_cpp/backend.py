@@ -119,8 +119,8 @@ class LlamaCppBackend:
             "weight_repacking": self.model.repack,  # off with --deterministic
             # llama.cpp buffer types butter took out because they crash (layer_matmul.py)
             "dropped_buffer_types": list(layer_matmul.dropped_buffer_types),
-            # who multiplies the layers' Q8_0, Q6_K and Q5_K matrices: "butter (...)" or
-            # "llama.cpp (why)"
+            # who multiplies the layer matrices of the types butter has kernels for:
+            # "butter (...)" or "llama.cpp (why)"
             "layer_matmuls": self.model.layers_by,
             # the CPU class, and who multiplies each type of layer matrix (kernels.py)
             "kernels": {"cpu": this_cpu().as_dict(), "layers": self.model.layer_kernels,

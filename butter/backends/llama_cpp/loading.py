@@ -332,8 +332,9 @@ def _crashing_buffer_type_listed() -> bool:
 
 
 def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, str, set[str]]:
-    """llama.cpp's model, who computes its Q8_0, Q6_K and Q5_K layer matmuls ("butter (ISA;
-    what it took)", or "llama.cpp (why)": layer_matmul.py), and the types butter took."""
+    """llama.cpp's model, who computes the layer matmuls of the types butter has kernels for
+    ("butter (ISA; what it took)", or "llama.cpp (why)": layer_matmul.py), and the types
+    butter took."""
     params = ll.llama_model_default_params()
     params.use_extra_bufts = repack  # weight repacking: see MIN_PROMPT_ROWS
     try:
