@@ -420,9 +420,12 @@ from butter.backends.llama_cpp import LlamaCppBackend
 from tests.backend_steps import generate_greedy
 backend = LlamaCppBackend(Path(sys.argv[1]), n_cells=1024, n_seq=4, n_batch=256, threads=2,
                           fast_layers=True, repack=True)
-tokens, _ = generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
-print(json.dumps({"diagnostics": backend.diagnostics(), "tokens": tokens,
-                  "types": layer_matmul.registered().types}))
+try:
+    tokens, _ = generate_greedy(backend, ["Session 1 talks about boats"], steps=8)
+    print(json.dumps({"diagnostics": backend.diagnostics(), "tokens": tokens,
+                      "types": layer_matmul.registered().types}), flush=True)
+finally:
+    backend.close()
 """
 
 
@@ -430,9 +433,11 @@ def test_a_type_that_fails_its_self_check_stays_with_llama_cpp(tiny_gguf: Path) 
     """Registration is once per process: a fresh one whose kernels all compute wrongly
     stores nothing in butter's layout, says why, and decodes as llama.cpp alone does."""
     _kernel_or_skip()
-    run = subprocess.run([sys.executable, "-c", _FAILED_SELF_CHECK, str(tiny_gguf)],
-                         capture_output=True, text=True, timeout=300, check=True,
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _FAILED_SELF_CHECK,
+                          str(tiny_gguf)], capture_output=True, text=True, timeout=300,
                          cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode == 0, f"exit {run.returncode}; stdout {run.stdout[-2000:]!r}; " \
+        f"stderr {run.stderr[-6000:]}"
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(why.startswith("llama.cpp (self-check failed:") for why in found["types"].values())
     assert found["diagnostics"]["layer_matmuls"] == (
