@@ -107,13 +107,13 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
-    # butter's Q8_0, Q6_K and Q5_K layer matmuls inside llama.cpp where they apply
+    # butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls inside llama.cpp where they apply
     # (backends/llama_cpp/layer_matmul.py); they need llama.cpp's extra buffer types, which
     # --deterministic turns off.
     fast_layers: bool = True
     # llama.cpp: no weight repacking, so a prompt's KV and logits are bit-identical cold and
     # on a cache hit (docs/architecture.md, "Numerics and determinism"). Off by default:
-    # repacked Q4_K decodes 1.07-1.58x faster (benchmarks/RESULTS.md).
+    # repacked Q4_K decodes faster (benchmarks/RESULTS.md).
     deterministic: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES

@@ -31,8 +31,8 @@ from butter.backends.lmhead import (
     OK,
     LmHead,
     NativeError,
-    Unavailable,
 )
+from butter.backends.native import Unavailable
 from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams

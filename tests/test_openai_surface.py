@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from butter.backends.logprobs import log_softmax
+from butter.backends.native import Unavailable
 from butter.chat.request import Logprobs
 from butter.engine.engine import Engine
 from butter.pipeline.prepare import prepare
@@ -280,7 +281,7 @@ def test_echo_with_logprobs_scores_the_prompt(client: openai.OpenAI, demo_gguf: 
 
     try:  # (registered at the session's start: tests/conftest.py)
         layers: contextlib.AbstractContextManager[None] = layer_matmul.registered().accepting(True)
-    except layer_matmul.Unavailable:
+    except Unavailable:
         layers = contextlib.nullcontext()
     with layers:
         reference = llama_cpp.Llama(str(demo_gguf), n_ctx=256, logits_all=True, verbose=False,

@@ -66,16 +66,6 @@ OUTPUT_ISAS = (Isa.AVX512_VNNI, Isa.AVX2)
 TYPE_BITS = {"q8_0": 1, "q6_K": 2, "q5_K": 4, "q4_1": 8, "q5_0": 16}
 
 
-# Types whose butter kernel is the AVX2 one on every x86 class: no VNNI kernel of theirs has
-# been measured yet (an AVX512-VNNI CPU runs AVX2 code too).
-AVX2_KERNEL_ONLY = ("q4_1", "q5_0")
-
-
-def kernel_isa(isa: Isa, ggml_type: str) -> Isa:
-    """The instruction set butter's kernel for this type uses when the CPU's class is `isa`."""
-    return Isa.AVX2 if isa is Isa.AVX512_VNNI and ggml_type in AVX2_KERNEL_ONLY else isa
-
-
 def isa_of(number: int) -> Isa:
     """The C libraries' ISA numbers (ISA_NONE, ISA_AVX2, ISA_AVX512_VNNI)."""
     return {0: Isa.NONE, 1: Isa.AVX2, 2: Isa.AVX512_VNNI}[number]

@@ -32,7 +32,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from butter.backends import native
 from butter.backends.gguf_tensors import GgufFormatError, read_header
+from butter.backends.native import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,7 @@ Q8_0 = 8  # GGML_TYPE_Q8_0
 Q8_0_BLOCK_BYTES = 34  # fp16 scale + 32 int8
 OUTPUT_TENSORS = ("output.weight", "token_embd.weight")  # untied first, else tied
 
-_P = ctypes.c_void_p
-_I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+_P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # The signatures below, the status codes and the ISA numbers are what this module and
 # lmhead.c agree on; BUTTER_LMHEAD_ABI_VERSION there names them. Change both together.
@@ -92,10 +93,6 @@ class Verdict(Enum):
     NEITHER = "neither"
 
 
-class Unavailable(Exception):
-    """Why butter's projection does not apply here (llama.cpp's is used)."""
-
-
 class NativeError(RuntimeError):
     """A call into lmhead.c returned an error code: a bug on this side of the boundary."""
 
@@ -111,34 +108,10 @@ def check(function: str, status: int) -> None:
 
 def _library() -> Any:
     """The kernel library, refused unless it speaks this module's ABI."""
-    try:
-        from butter.backends import _lmhead  # type: ignore[attr-defined]
-    except ImportError:
-        raise Unavailable("butter's native extension is not built") from None
-    lib = ctypes.CDLL(_lmhead.__file__)
-    try:
-        version = lib.butter_lmhead_abi_version
-    except AttributeError:  # built from an lmhead.c older than the versioned ABI
-        raise Unavailable(
-            f"butter's native extension reports no ABI version (expected {ABI_VERSION}): "
-            "rebuild it"
-        ) from None
-    version.argtypes, version.restype = [], _I32
-    found = int(version())
-    if found != ABI_VERSION:
-        raise Unavailable(
-            f"butter's native extension has ABI version {found}, expected {ABI_VERSION}: "
-            "rebuild it"
-        )
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        try:
-            function = getattr(lib, name)
-        except AttributeError:
-            raise Unavailable(f"butter's native extension lacks {name}: rebuild it") from None
-        function.argtypes, function.restype = argtypes, restype
-    # (butter_lmhead_eval is not called from here: llama.cpp calls it, with ggml's
-    # signature for an eval callback.)
-    return lib
+    # (butter_lmhead_eval is not declared here: llama.cpp calls it, with ggml's signature
+    # for an eval callback.)
+    return native.open_extension("_lmhead", "butter_lmhead_abi_version", ABI_VERSION,
+                                 _SIGNATURES)
 
 
 def _requested_isa(lib: Any) -> tuple[int, str]:
@@ -163,25 +136,17 @@ def _new_state(lib: Any) -> ctypes.Array[ctypes.c_uint64]:
 
 
 def _ggml_cpu_quantize_q8_k() -> int:
-    """ggml's quantize_row_q8_K in the libggml-cpu llama.cpp loaded (the wheel's other
-    copies of the library are separate files: opening one would load a second instance)."""
-    try:
-        cpu = ctypes.CDLL("libggml-cpu.so.0", mode=os.RTLD_NOLOAD)
-    except OSError:
-        raise Unavailable("llama.cpp's CPU backend is not loaded as libggml-cpu.so.0") from None
-    address = ctypes.cast(cpu.quantize_row_q8_K, _P).value
+    """ggml's quantize_row_q8_K in the libggml-cpu llama.cpp loaded."""
+    address = ctypes.cast(native.loaded_library("libggml-cpu.so.0").quantize_row_q8_K, _P).value
     if not address:
         raise Unavailable("libggml-cpu has no quantize_row_q8_K")
     return address
 
 
 def _ggml_base() -> Any:
-    import llama_cpp
+    import llama_cpp  # noqa: F401  (loads llama.cpp, and with it ggml)
 
-    library = Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"
-    if not library.exists():
-        raise Unavailable(f"libggml-base not found at {library}")
-    return ctypes.CDLL(str(library))
+    return native.loaded_library("libggml-base.so.0")
 
 
 # Output matrices of other types are requantized to Q8_0 once at load (ggml's own

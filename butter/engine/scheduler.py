@@ -153,8 +153,9 @@ def _whole_tiles(prefilling: Sequence[PendingWork], sizes: list[int], budget: in
 
     A backend tile holding two prompts' rows computes each against what either sees
     (llama.cpp's flash attention skips a block of the cache only where the whole tile is
-    masked from it): 3 prompts of 4k on the demo prefill in 28.7 s in whole tiles against
-    37.2 s in shares of 85 (benchmarks/prompts_together.py, docs/architecture.md).
+    masked from it), so whole tiles prefill several prompts faster than equal shares
+    (docs/architecture.md, "Prompts prefilled together", measured by
+    benchmarks/prompts_together.py).
     Prompts that end in this step keep their size; the budget they leave is split into
     tiles among the others, the extra tiles going to the least advanced (with fewer tiles
     than prompts, those furthest behind go first). Where not one whole tile is left, the

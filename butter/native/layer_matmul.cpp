@@ -421,14 +421,18 @@ struct NibblePass {
     const uint8_t *xq;
     const float *xd, *xs;
     int64_t nb;
-    bool q4_1;
+    bool q4_1, vnni;
 
-    /* (the AVX2 kernel on either instruction set: kernels.py's table says so) */
     void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
                     int lanes) const {
         const int64_t k = nb * QK;
-        q4_1_q5_0_tile_pass_avx2(w, nb, t, R, q4_1, xq + r * k, xd + r * nb, xs + r * nb, out,
-                                 out_stride, lanes);
+        if (vnni) {
+            q4_1_q5_0_tile_pass(w, nb, t, R, q4_1, xq + r * k, xd + r * nb, xs + r * nb, out,
+                                out_stride, lanes);
+        } else {
+            q4_1_q5_0_tile_pass_avx2(w, nb, t, R, q4_1, xq + r * k, xd + r * nb, xs + r * nb,
+                                     out, out_stride, lanes);
+        }
     }
 };
 
@@ -520,7 +524,8 @@ void multiply(ggml_mirror::compute_params *params, tensor *dst) {
         }
         barrier(params);
         multiply_tiles(params, dst, rows,
-                       NibblePass{(const uint8_t *)w->data, xq, xd, xs, nb, q4_1});
+                       NibblePass{(const uint8_t *)w->data, xq, xd, xs, nb, q4_1,
+                                  kernel_isa == ISA_AVX512_VNNI});
     } else if (is_k_quant(w->type)) {
         const int64_t row_bytes = (int64_t)quantized_row_bytes(w);
         for (int64_t r = params->ith; r < rows; r += params->nth) {

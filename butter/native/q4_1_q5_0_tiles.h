@@ -1,7 +1,7 @@
 /*
- * Q4_1 and Q5_0 matrices laid out for butter's AVX2 kernel (the layer matmuls of
- * layer_matmul.cpp; it serves AVX512-VNNI CPUs too). llama.cpp's x86 code repacks
- * neither: Q4_1 is what some small models ship in (SmolLM2's instruct GGUFs), and llama.cpp's quantizer writes Q5_0 wherever a
+ * Q4_1 and Q5_0 matrices laid out for AVX512-VNNI and AVX2 (the layer matmuls of
+ * layer_matmul.cpp). llama.cpp's x86 code repacks neither: Q4_1 is what some small models
+ * ship in (SmolLM2's instruct GGUFs), and llama.cpp's quantizer writes Q5_0 wherever a
  * K-quant does not fit a row (rows not a multiple of 256: most of Gemma 3 270M's layers in
  * its Q4_K_M file).
  *
@@ -27,7 +27,7 @@
 #ifndef BUTTER_Q4_1_Q5_0_TILES_H
 #define BUTTER_Q4_1_Q5_0_TILES_H
 
-#include "q8_0_tiles.h" /* QK, LANES, AVX2_ROWS, store_lanes_avx2, AVX2_TARGET */
+#include "q6_k_tiles.h" /* QK, LANES, ROWS_PER_PASS, AVX2_ROWS, the targets */
 
 #define Q4_1_BLOCK_BYTES 20 /* fp16 d, fp16 m, qs[16] */
 #define Q5_0_BLOCK_BYTES 22 /* fp16 d, qh[4], qs[16] */
@@ -101,17 +101,113 @@ AVX2_TARGET static inline void q8_quantize_row_sums(const float *x, int64_t n, i
     }
 }
 
-/* Group g (0..7) of a Q5_0 block's fifth bits, at bit 4 of each byte. */
+/* Group g (0..7) of a Q5_0 block's fifth bits, at bit 4 of each byte (512 / 256 bits). */
+#define FIFTH_BIT_512(high, g)                                                               \
+    _mm512_and_si512((g) <= 4 ? _mm512_slli_epi16((high), 4 - (g))                          \
+                              : _mm512_srli_epi16((high), (g) - 4),                          \
+                     bit4)
 #define FIFTH_BIT_256(high, g)                                                               \
     _mm256_and_si256((g) <= 4 ? _mm256_slli_epi16((high), 4 - (g))                          \
                               : _mm256_srli_epi16((high), (g) - 4),                          \
                      bit4)
 
-/* The kernel (AVX2; it runs on AVX512-VNNI CPUs too, where no VNNI kernel for these types
- * has been measured yet): half `half` (8 lanes) of tile t for R (up to AVX2_ROWS) rows,
- * row r's bytes at xq + r * nb * 32, its scales and sums at xd, xs + r * nb. maddubs pairs of the unsigned values (at most 31) and the signed
+/* Tile t's 16 outputs for R activation rows (row r's bytes at xq + r * nb * 32, its scales
+ * and sums at xd, xs + r * nb), stored at out + r * out_stride; only the first `lanes`. */
+VNNI_BW_TARGET static inline __attribute__((always_inline)) void
+q4_1_q5_0_tile_rows(const uint8_t *w, int64_t nb, int64_t t, const int R, const int q4_1,
+                    const uint8_t *xq, const float *xd, const float *xs, float *out,
+                    int64_t out_stride, int lanes) {
+    const int64_t tile_bytes = q4_1 ? Q4_1_TILE_BLOCK_BYTES : Q5_0_TILE_BLOCK_BYTES;
+    const int64_t n = nb * QK;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bit4 = _mm512_set1_epi8(0x10);
+    __m512 acc[ROWS_PER_PASS];
+    for (int r = 0; r < R; r++) {
+        acc[r] = _mm512_setzero_ps();
+    }
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tile = w + (t * nb + b) * tile_bytes;
+        _mm_prefetch((const char *)(tile + tile_bytes * 2), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + tile_bytes * 2 + 64), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + tile_bytes * 2 + 128), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + tile_bytes * 2 + 192), _MM_HINT_T0);
+        _mm_prefetch((const char *)(tile + tile_bytes * 2 + 256), _MM_HINT_T0);
+        const __m512i high = q4_1 ? _mm512_setzero_si512()
+                                  : _mm512_loadu_si512((const void *)(tile + NIBBLE_PARTS * 64));
+        __m512i dot[ROWS_PER_PASS];
+        for (int r = 0; r < R; r++) {
+            dot[r] = _mm512_setzero_si512();
+        }
+        for (int k = 0; k < NIBBLE_PARTS; k++) {
+            const __m512i part = _mm512_loadu_si512((const void *)(tile + k * 64));
+            __m512i lo = _mm512_and_si512(part, nibble);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(part, 4), nibble);
+            if (!q4_1) {
+                lo = _mm512_or_si512(lo, FIFTH_BIT_512(high, k));
+                hi = _mm512_or_si512(hi, FIFTH_BIT_512(high, k + 4));
+            }
+            for (int r = 0; r < R; r++) {
+                const uint8_t *x = xq + r * n + b * QK;
+                int32_t a, c;
+                memcpy(&a, x + 4 * k, 4);
+                memcpy(&c, x + 16 + 4 * k, 4);
+                dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(a));
+                dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(c));
+            }
+        }
+        const uint8_t *scales = tile + NIBBLE_PARTS * 64 + (q4_1 ? 0 : 64);
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)scales));
+        const __m512 wm = q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + 32)))
+                               : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const float d = xd[r * nb + b], s = xs[r * nb + b];
+            if (q4_1) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]),
+                                         _mm512_mul_ps(wd, _mm512_set1_ps(d)), acc[r]);
+                acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(s), acc[r]);
+            } else {
+                const __m512i offset = _mm512_set1_epi32(16 * (int32_t)s);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[r], offset)),
+                                         _mm512_mul_ps(wd, _mm512_set1_ps(d)), acc[r]);
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << lanes) - 1u);
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(out + r * out_stride, keep, acc[r]);
+    }
+}
+
+/* q4_1_q5_0_tile_rows for any R from 1 to 8, each count and type compiled on its own. */
+VNNI_BW_TARGET static inline void q4_1_q5_0_tile_pass(const uint8_t *w, int64_t nb, int64_t t,
+                                                      int R, int q4_1, const uint8_t *xq,
+                                                      const float *xd, const float *xs,
+                                                      float *out, int64_t out_stride,
+                                                      int lanes) {
+#define Q45_CASE(rows)                                                                        \
+    case rows:                                                                                \
+        if (q4_1) {                                                                           \
+            q4_1_q5_0_tile_rows(w, nb, t, rows, 1, xq, xd, xs, out, out_stride, lanes);       \
+        } else {                                                                              \
+            q4_1_q5_0_tile_rows(w, nb, t, rows, 0, xq, xd, xs, out, out_stride, lanes);       \
+        }                                                                                     \
+        break;
+    switch (R) {
+    Q45_CASE(1)
+    Q45_CASE(2)
+    Q45_CASE(3)
+    Q45_CASE(4)
+    Q45_CASE(5)
+    Q45_CASE(6)
+    Q45_CASE(7)
+    default: Q45_CASE(8)
+    }
+#undef Q45_CASE
+}
+
+/* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
+ * AVX2_ROWS) rows. maddubs pairs of the unsigned values (at most 31) and the signed
  * activations are at most 2 x 31 x 128, so two groups' pairs add in 16 bits; madd with
- * ones then gives each lane's int32 sum. */
+ * ones then gives each lane's int32 sum. The integers are the VNNI kernel's. */
 AVX2_TARGET static inline __attribute__((always_inline)) void
 q4_1_q5_0_half_rows_avx2(const uint8_t *w, int64_t nb, int64_t t, int half, const int R,
                          const int q4_1, const uint8_t *xq, const float *xd, const float *xs,

@@ -59,8 +59,8 @@ class LlguidanceGrammars:
         return permits(matcher, token, self._end_of_generation)
 
     def allowed(self, matcher: Any) -> Any:
-        """The ids of the tokens the matcher allows next (its whole-vocabulary mask:
-        0.1-0.3 ms on 262k tokens)."""
+        """The ids of the tokens the matcher allows next (its whole-vocabulary mask; its
+        cost is in docs/architecture.md, "Sampling")."""
         return np.flatnonzero(allowed_tokens(matcher, self._model.info.n_vocab))
 
     def tokenizer(self) -> Any:

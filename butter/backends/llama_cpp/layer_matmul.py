@@ -35,6 +35,7 @@ from typing import Any
 import attrs
 import llama_cpp
 
+from butter.backends import native
 from butter.backends.kernels import (
     TYPE_BITS,
     Isa,
@@ -43,11 +44,11 @@ from butter.backends.kernels import (
     isa_of,
     requested_isa,
 )
+from butter.backends.native import Unavailable
 
 log = logging.getLogger(__name__)
 
-_P = ctypes.c_void_p
-_I32, _I64, _SIZE = ctypes.c_int32, ctypes.c_int64, ctypes.c_size_t
+_P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
 ABI_VERSION = 6
@@ -94,10 +95,6 @@ SELF_CHECK_THREADS = 2
 # order, so the largest difference is float rounding of the largest value.
 SELF_CHECK_TOLERANCE = 1e-4
 SELF_CHECK_PERTURBATION = 0.0  # tests set it: a wrong kernel result must fail the check
-
-
-class Unavailable(Exception):
-    """Why butter's layer matmuls do not apply (llama.cpp's are used)."""
 
 
 @attrs.frozen
@@ -192,33 +189,13 @@ def registered() -> LayerMatmul:
 
 
 def _library() -> Any:
-    try:
-        from butter.backends import _layer_matmul  # type: ignore[attr-defined]
-    except ImportError:
-        raise Unavailable("the native extension is not built") from None
-    lib = ctypes.CDLL(_layer_matmul.__file__)
-    version = lib.butter_layer_matmul_abi_version
-    version.argtypes, version.restype = [], _I32
-    if int(version()) != ABI_VERSION:
-        raise Unavailable(f"the native extension has ABI version {int(version())}, expected "
-                          f"{ABI_VERSION}: rebuild it")
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, restype
-    return lib
+    return native.open_extension("_layer_matmul", "butter_layer_matmul_abi_version",
+                                 ABI_VERSION, _SIGNATURES)
 
 
 def _ggml_libraries() -> tuple[Any, Any]:
-    """libggml-base and libggml-cpu as llama.cpp loaded them. The wheel ships each library
-    under three names as separate files, and opening another of them would load a second
-    copy with its own state: so only an already-loaded library, found by its soname."""
-    loaded = []
-    for soname in ("libggml-base.so.0", "libggml-cpu.so.0"):
-        try:
-            loaded.append(ctypes.CDLL(soname, mode=os.RTLD_NOLOAD))
-        except OSError:
-            raise Unavailable(f"llama.cpp's CPU backend is not loaded as {soname}") from None
-    return loaded[0], loaded[1]
+    """libggml-base and libggml-cpu as llama.cpp loaded them."""
+    return native.loaded_library("libggml-base.so.0"), native.loaded_library("libggml-cpu.so.0")
 
 
 def ggml_type_name(number: int) -> str:

@@ -21,9 +21,10 @@ import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
 from butter.backends.gguf_tensors import read_header
-from butter.backends.kernels import Isa, Kernel, kernel_isa, layer_kernel
+from butter.backends.kernels import Isa, Kernel, layer_kernel
 from butter.backends.llama_cpp import layer_matmul
-from butter.backends.lmhead import LmHead, Unavailable, Verdict
+from butter.backends.lmhead import LmHead, Verdict
+from butter.backends.native import Unavailable
 from butter.backends.shaping import padded_outputs
 from butter.cpu import this_cpu
 from butter.errors import ModelLoadError
@@ -321,7 +322,7 @@ def _crashing_buffer_type_listed() -> bool:
     native library takes those out at registration; without it, repacking goes off)."""
     try:
         listed = layer_matmul.listed_buffer_type_names()
-    except layer_matmul.Unavailable:
+    except Unavailable:
         return False
     crashing = [name for name in listed if name.encode() in layer_matmul.CRASHING_BUFFER_TYPES]
     if crashing:
@@ -340,7 +341,7 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
     try:
         kernel: layer_matmul.LayerMatmul | None = layer_matmul.registered()
         why_not = ""
-    except layer_matmul.Unavailable as exc:
+    except Unavailable as exc:
         kernel, why_not = None, str(exc)
     if not fast_layers:
         why_not = "--no-fast-layers"
@@ -370,7 +371,7 @@ def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, st
     failed: ...)"), from kernels.py's table and what the load did."""
     try:
         kernel: layer_matmul.LayerMatmul | None = layer_matmul.registered()
-    except layer_matmul.Unavailable:
+    except Unavailable:
         kernel = None
     isa = kernel.isa if kernel is not None else Isa.NONE
     cpu_isa = this_cpu().isa
@@ -383,7 +384,7 @@ def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, st
     verdicts: dict[str, str] = {}
     for name, count in sorted(counts.items()):
         if name in stored:
-            who = f"butter ({kernel_isa(isa, name).value})"
+            who = f"butter ({isa.value})"
         elif kernel is not None and kernel.types.get(name, "butter") != "butter":
             who = kernel.types[name]  # its self-check failed
         elif repack and layer_kernel(table_isa, name) is Kernel.REPACKED:
