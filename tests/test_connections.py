@@ -21,6 +21,7 @@ import httpx
 import pytest
 import trio
 
+from butter.server import connections
 from butter.server.connections import GuardedStream
 from butter.testing.tiny_gguf import ENDOFTEXT, IM_END, special_token_ids
 from tests.conftest import ServerProcess
@@ -337,3 +338,26 @@ def test_write_timeout_and_max_connections_flags() -> None:
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         assert default_max_connections() < soft  # room is left for the model and logs
+
+
+def test_hypercorn_is_the_release_whose_internals_butter_follows() -> None:
+    """serve_hypercorn follows hypercorn's own worker_serve and calls its private
+    constructors: another release, or a changed worker_serve, must be reviewed first."""
+    import hashlib
+    import inspect
+    from importlib.metadata import version
+
+    import hypercorn.trio.run
+    from hypercorn.trio.lifespan import Lifespan
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+
+    assert version("hypercorn") == connections.HYPERCORN_RELEASE
+    source = inspect.getsource(hypercorn.trio.run.worker_serve)
+    assert hashlib.sha256(source.encode()).hexdigest() == connections.WORKER_SERVE_SHA256, (
+        "hypercorn's worker_serve changed: bring serve_hypercorn in line, then its digest")
+    parameters = {cls: list(inspect.signature(cls.__init__).parameters)[1:]
+                  for cls in (TCPServer, WorkerContext, Lifespan)}
+    assert parameters == {TCPServer: ["app", "config", "context", "state", "stream"],
+                          WorkerContext: ["max_requests"],
+                          Lifespan: ["app", "config", "state"]}

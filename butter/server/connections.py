@@ -43,6 +43,12 @@ from prometheus_client.registry import Collector
 from butter.errors import Overloaded
 from butter.settings import RETRY_AFTER_SECONDS
 
+# The hypercorn release whose internals serve_hypercorn uses (pinned in pyproject.toml), and
+# the SHA-256 of that release's `hypercorn.trio.run.worker_serve` source, which it follows:
+# tests/test_connections.py fails when either changes, so an upgrade is a reviewed one.
+HYPERCORN_RELEASE = "0.18.0"
+WORKER_SERVE_SHA256 = "8dc8347a9fc357ca334f8c3e4bcf0368176510a96d434f21a5eb4c9ec4103726"
+
 log = logging.getLogger("butter")
 
 # A refused connection's request is read and dropped for at most this long before the
