@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
+from butter.testing.tiny_gguf import write_tiny_mamba_gguf, write_tiny_qwen3_gguf
 
 # mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
@@ -37,6 +37,12 @@ BOOT_TIMEOUT_S = 120.0
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("models") / "tiny-qwen3.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A recurrent model: random-weight Mamba with the tiny tokenizer."""
+    return write_tiny_mamba_gguf(tmp_path_factory.mktemp("mamba") / "tiny-mamba.gguf")
 
 
 @pytest.fixture(scope="session")

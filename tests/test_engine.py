@@ -228,8 +228,8 @@ async def test_penalties_keep_greedy_from_repeating(
 async def test_caches_that_cannot_be_cut_are_only_extended(
     resident: ResidentModel, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # What the engine does for recurrent state (rewind_limit 1): no GGUF of that kind can
-    # be built here, so the limit is set on a real backend and the engine's choices checked.
+    # The engine's choices for a cache that cannot be cut (rewind_limit 1), on both backends
+    # (a real recurrent model: test_a_recurrent_model_...).
     monkeypatch.setattr(resident.backend, "rewind_limit", 1)
     first = tokens(resident, "A conversation about boats, first turn")
     _, cold = await run(engine, first, seed=1, max_tokens=6)
@@ -241,6 +241,53 @@ async def test_caches_that_cannot_be_cut_are_only_extended(
     assert forked.cached_tokens == 0  # cutting back is impossible: rebuilt
     _, again = await run(engine, first[:-2] + tokens(resident, " else"), seed=1, max_tokens=2)
     assert again.cached_tokens == 0  # the same prompt would need one token cut: rebuilt
+
+
+async def test_a_recurrent_model_reuses_its_state_only_by_extending_it(
+    tiny_mamba_gguf: Path,
+) -> None:
+    """A real recurrent model (Mamba): a cached conversation is extended and decodes what a
+    cold run decodes; a prompt that would need its state cut back is rebuilt."""
+    resident = ResidentModel.load_sync(ServeSettings(
+        model=str(tiny_mamba_gguf), parallel=2, max_context=1024, prefill_chunk=64, threads=2))
+    try:
+        backend = resident.backend
+        assert backend.info.is_recurrent and backend.rewind_limit == 1
+
+        async def greedy(prompt: list[int], max_tokens: int) -> tuple[bytes, Generation]:
+            # (an engine starts on an empty cache: the last one's sequences go first)
+            backend.step([RemoveTokens(seq, -1, -1)
+                          for seq in range(backend.n_seq + backend.n_cache_seqs)], [])
+            engine = Engine(backend, parallel=2, max_context=1024, prefill_chunk=64,
+                            max_queue=4)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.run)
+                try:
+                    text, generation = await run(engine, prompt, seed=1, max_tokens=max_tokens,
+                                                 temperature=0)
+                    if not reuse:
+                        return text, generation
+                    (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+                    longer = [*held, *tokens(resident, " and then the sea")]
+                    extended = await run(engine, longer, seed=1, max_tokens=6, temperature=0)
+                    cut = await run(engine, prompt[:-2], seed=1, max_tokens=6, temperature=0)
+                    outcomes.extend([(held, longer, *extended), (prompt[:-2], prompt[:-2], *cut)])
+                    return text, generation
+                finally:
+                    nursery.cancel_scope.cancel()
+
+        outcomes: list[tuple[list[int], list[int], bytes, Generation]] = []
+        first = tokens(resident, "A conversation about boats, first turn")
+        reuse = True
+        _, cold = await greedy(first, 6)
+        (held, longer, extended_text, extended), (_, shorter, cut_text, cut) = outcomes
+        assert cold.cached_tokens == 0 and extended.cached_tokens == len(held)
+        assert cut.cached_tokens == 0  # cutting recurrent state back is impossible: rebuilt
+        reuse = False  # the same prompts on a fresh engine (nothing cached)
+        assert (await greedy(longer, 6))[0] == extended_text
+        assert (await greedy(shorter, 6))[0] == cut_text
+    finally:
+        resident.close()
 
 
 async def test_a_step_in_flight_finishes_before_a_cancellation_lands() -> None:

@@ -441,3 +441,72 @@ def write_tiny_qwen3_gguf(
     writer.close()
     os.replace(partial, target)
     return target
+
+
+# --- a recurrent model -------------------------------------------------------
+
+MAMBA_D_INNER: Final = 2 * N_EMBD
+MAMBA_D_STATE: Final = 16
+MAMBA_D_CONV: Final = 4
+MAMBA_DT_RANK: Final = 8
+
+
+def _mamba_layer_tensors(rng: np.random.Generator, layer: int) -> dict[str, F32Array]:
+    """One Mamba block in llama.cpp's layout; numpy shapes are GGUF ne reversed."""
+    d_inner, d_state, dt_rank = MAMBA_D_INNER, MAMBA_D_STATE, MAMBA_DT_RANK
+    prefix = f"blk.{layer}."
+    a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))  # S4D-real init
+    return {
+        prefix + "attn_norm.weight": _norm_weight(rng, N_EMBD),
+        prefix + "ssm_in.weight": _normal(rng, (2 * d_inner, N_EMBD), N_EMBD**-0.5),
+        prefix + "ssm_conv1d.weight": _normal(rng, (d_inner, MAMBA_D_CONV), MAMBA_D_CONV**-0.5),
+        prefix + "ssm_conv1d.bias": _normal(rng, (d_inner,), 0.1),
+        prefix + "ssm_x.weight": _normal(rng, (dt_rank + 2 * d_state, d_inner), d_inner**-0.5),
+        prefix + "ssm_dt.weight": _normal(rng, (d_inner, dt_rank), dt_rank**-0.5),
+        prefix + "ssm_dt.bias": _normal(rng, (d_inner,), 0.1) - np.float32(2.0),
+        prefix + "ssm_a": a.astype(np.float32),
+        prefix + "ssm_d": np.ones(d_inner, dtype=np.float32),
+        prefix + "ssm_out.weight": _normal(rng, (N_EMBD, d_inner), d_inner**-0.5),
+    }
+
+
+def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
+                          n_ctx_train: int = 4096) -> pathlib.Path:
+    """A random-weight Mamba (a recurrent model: its state cannot be cut back) with the
+    tiny tokenizer and chat template; Q8_0 matrices, like write_tiny_qwen3_gguf."""
+    target = pathlib.Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch="mamba")
+    writer.add_name("tiny-mamba")
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_context_length(n_ctx_train)
+    writer.add_embedding_length(N_EMBD)
+    writer.add_block_count(N_LAYER)
+    writer.add_feed_forward_length(0)
+    writer.add_head_count(0)
+    writer.add_layer_norm_rms_eps(RMS_EPS)
+    writer.add_ssm_conv_kernel(MAMBA_D_CONV)
+    writer.add_ssm_inner_size(MAMBA_D_INNER)
+    writer.add_ssm_state_size(MAMBA_D_STATE)
+    writer.add_ssm_time_step_rank(MAMBA_DT_RANK)
+    _add_tokenizer(writer, CHAT_TEMPLATE, fim=False)
+    rng = np.random.default_rng(seed)
+    n_vocab = len(tiny_vocab())
+    tensors = {"token_embd.weight": _normal(rng, (n_vocab, N_EMBD), 1.0)}
+    for layer in range(N_LAYER):
+        tensors.update(_mamba_layer_tensors(rng, layer))
+    tensors["output_norm.weight"] = _norm_weight(rng, N_EMBD)
+    tensors["output.weight"] = _output_weight(rng, n_vocab, N_EMBD)
+    quantized = ("ssm_in.weight", "ssm_out.weight", "token_embd.weight", "output.weight")
+    for name, tensor in tensors.items():
+        if name.endswith(quantized):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, target)
+    return target
