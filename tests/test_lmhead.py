@@ -139,6 +139,14 @@ def test_both_kernels_give_the_same_bits(tiny_gguf: Path,
     assert np.array_equal(*logits)  # exact integer blocks, same float order
 
 
+def test_auto_is_the_best_kernel_as_for_the_layers(tiny_gguf: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_VARIABLE, raising=False)
+    best = _head_or_skip(tiny_gguf).isa
+    monkeypatch.setenv(ISA_VARIABLE, "auto")
+    assert LmHead(tiny_gguf, threads=2, max_rows=8).isa == best
+
+
 def test_a_kernel_the_cpu_lacks_is_refused(tiny_gguf: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ISA_VARIABLE, "sse2")

@@ -116,8 +116,8 @@ def _library() -> Any:
 
 def _requested_isa(lib: Any) -> tuple[int, str]:
     """The kernel to ask the library for, and why (for the message if it declines)."""
-    wanted = os.environ.get(ISA_VARIABLE)
-    if not wanted:
+    wanted = os.environ.get(ISA_VARIABLE, "").strip()
+    if wanted.lower() in ("", "auto"):  # (the layer kernels read it the same way: kernels.py)
         return int(lib.butter_lmhead_supported()), "this CPU has neither AVX512-VNNI nor AVX2"
     names = {"none": ISA_NONE} | {name.lower(): number for number, name in ISA_NAMES.items()}
     isa = names.get(wanted.lower())
