@@ -1,4 +1,4 @@
-"""Messages ⇄ chat conversion (pure), both ways."""
+"""Messages ⇄ the neutral request (pure), both ways."""
 
 from __future__ import annotations
 
@@ -7,14 +7,19 @@ from typing import Any
 
 import pytest
 
-from butter.chat.request import Usage
+from butter.chat import grammar as grammars
+from butter.chat.request import GenerationRequest, Usage
 from butter.errors import InvalidRequest
-from butter.protocol import anthropic, openai
-from butter.protocol.openai import template_messages
+from butter.protocol import anthropic
 
 
-def _convert(payload: dict[str, object]) -> openai.ChatCompletionRequest:
-    return anthropic.to_chat_request(anthropic.parse_messages_request(payload))
+def _convert(payload: dict[str, object]) -> GenerationRequest:
+    return anthropic.generation_request(anthropic.parse_messages_request(payload))
+
+
+def _messages(request: GenerationRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = request.prompt.messages  # type: ignore[union-attr]
+    return messages
 
 
 def test_system_blocks_sampling_and_stops() -> None:
@@ -25,10 +30,12 @@ def test_system_blocks_sampling_and_stops() -> None:
         "top_p": 0.9, "stop_sequences": ["END"], "metadata": {"user_id": "u"},
         "thinking": {"type": "enabled", "budget_tokens": 100},
     })
-    assert template_messages(chat)[0] == {"role": "system", "content": "A\n\nB"}
-    assert (chat.max_tokens, chat.temperature, chat.top_k, chat.top_p) == (5, 0.5, 3, 0.9)
-    assert chat.stop_strings == ("END",)
-    assert chat.chat_template_kwargs == {"enable_thinking": True}
+    assert _messages(chat)[0] == {"role": "system", "content": "A\n\nB"}
+    sampling = chat.sampling
+    assert (chat.max_tokens, sampling.temperature, sampling.top_k, sampling.top_p) == (
+        5, 0.5, 3, 0.9)
+    assert chat.stop == ("END",) and sampling.grammar is None
+    assert chat.prompt.template_kwargs == {"enable_thinking": True}  # type: ignore[union-attr]
 
 
 def test_tool_use_and_tool_result_round_trip() -> None:
@@ -49,7 +56,7 @@ def test_tool_use_and_tool_result_round_trip() -> None:
                 {"type": "text", "text": "thanks"}]},
         ],
     })
-    messages = template_messages(chat)
+    messages = _messages(chat)
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "user"]
     assistant = messages[1]
     assert assistant["content"] == "Checking."
@@ -57,17 +64,26 @@ def test_tool_use_and_tool_result_round_trip() -> None:
     assert assistant["tool_calls"][0]["function"] == {"name": "get_weather",
                                                       "arguments": {"city": "Paris"}}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "toolu_1"}
-    assert openai.forced_tool(chat) == "get_weather"
-    assert chat.tools and chat.tools[0].function.parameters == {"type": "object"}
+    tools = [{"type": "function", "function": {"name": "get_weather",
+                                                "parameters": {"type": "object"}}}]
+    assert chat.prompt.tools == tools  # type: ignore[union-attr]
+    assert chat.sampling.grammar == grammars.tool_call_grammar(tools, "get_weather")
+    assert chat.tool_schemas == {"get_weather": {"type": "object"}}
 
 
-@pytest.mark.parametrize(("choice", "expected"), [
-    ({"type": "auto"}, "auto"), ({"type": "any"}, "required"), ({"type": "none"}, "none"),
+@pytest.mark.parametrize(("choice", "offered", "forces"), [
+    ({"type": "auto"}, True, False), ({"type": "any"}, True, True),
+    ({"type": "none"}, False, False),
 ])
-def test_tool_choice_mapping(choice: dict[str, str], expected: str) -> None:
+def test_tool_choice_mapping(choice: dict[str, str], offered: bool, forces: bool) -> None:
     chat = _convert({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}],
-                     "tools": [{"name": "f", "input_schema": {}}], "tool_choice": choice})
-    assert chat.tool_choice == expected
+                     "tools": [{"name": "f", "input_schema": {}}, {"name": "g",
+                                                                    "input_schema": {}}],
+                     "tool_choice": choice})
+    tools = chat.prompt.tools  # type: ignore[union-attr]
+    assert (tools is not None, bool(chat.tool_schemas)) == (offered, offered)
+    expected = grammars.tool_call_grammar(tools) if forces else None  # any of them
+    assert chat.sampling.grammar == expected
 
 
 def test_errors_in_anthropic_shape() -> None:
@@ -85,6 +101,22 @@ def test_errors_in_anthropic_shape() -> None:
     with pytest.raises(InvalidRequest, match="image"):
         _convert({"max_tokens": 1, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {}}]}]})
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"stop_sequences": [f"s{i}" for i in range(17)]}, "stop_sequences"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tool_choice": {"type": "tool", "name": "missing"},
+      "tools": [{"name": "f", "input_schema": {}}]}, "tool_choice"),
+    ({"messages": []}, "messages"),
+])
+def test_errors_name_anthropics_own_fields(fields: dict[str, Any], param: str) -> None:
+    payload = {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], **fields}
+    with pytest.raises(InvalidRequest) as refused:
+        _convert(payload)
+    assert refused.value.param == param
 
 
 def test_results_convert_back() -> None:
@@ -131,7 +163,7 @@ def _claude_code_request(**overrides: Any) -> dict[str, Any]:
 
 def test_system_messages_inside_messages_stay_in_place_in_order() -> None:
     chat = _convert(_claude_code_request())
-    roles = [(m.role, openai.message_text(m.content)) for m in chat.messages]
+    roles = [(m["role"], m["content"]) for m in _messages(chat)]
     assert roles == [("system", "You are Claude Code."), ("user", "hi"),
                      ("system", "<reminder>today</reminder>"), ("user", "and again")]
 
@@ -141,19 +173,21 @@ def test_the_billing_header_never_reaches_the_prompt() -> None:
     other = _convert(_claude_code_request(system=[
         {"type": "text", "text": BILLING.replace("abc", "def")},
         {"type": "text", "text": "You are Claude Code."}]))
-    assert template_messages(first) == template_messages(other)
-    assert all("billing" not in (openai.message_text(m.content) or "") for m in first.messages)
+    assert _messages(first) == _messages(other)
+    assert all("billing" not in (m["content"] or "") for m in _messages(first))
     # A system prompt that is only the billing header leaves no system message at all.
     alone = _convert(_claude_code_request(system=BILLING))
-    assert [m.role for m in alone.messages] == ["user", "system", "user"]
+    assert [m["role"] for m in _messages(alone)] == ["user", "system", "user"]
 
 
 def test_adaptive_thinking_and_effort_reach_the_template() -> None:
     chat = _convert(_claude_code_request())
-    assert openai.template_kwargs(chat) == {"enable_thinking": True, "reasoning_effort": "high"}
+    assert chat.prompt.template_kwargs == {  # type: ignore[union-attr]
+        "enable_thinking": True, "reasoning_effort": "high"}
     off = _convert(_claude_code_request(thinking={"type": "disabled"},
                                         output_config={"effort": "max"}))
-    assert openai.template_kwargs(off) == {"enable_thinking": False, "reasoning_effort": "high"}
+    assert off.prompt.template_kwargs == {  # type: ignore[union-attr]
+        "enable_thinking": False, "reasoning_effort": "high"}
     assert not anthropic.shows_thinking(anthropic.parse_messages_request(_claude_code_request()))
     shown = _claude_code_request(thinking={"type": "enabled", "budget_tokens": 1024})
     assert anthropic.shows_thinking(anthropic.parse_messages_request(shown))
@@ -163,8 +197,8 @@ def test_count_tokens_takes_the_same_fields() -> None:
     payload = _claude_code_request()
     for name in ("max_tokens", "stream", "metadata", "context_management"):
         payload.pop(name)
-    chat = anthropic.to_chat_request(anthropic.parse_count_tokens_request(payload))
-    assert [m.role for m in chat.messages] == ["system", "user", "system", "user"]
+    chat = anthropic.generation_request(anthropic.parse_count_tokens_request(payload))
+    assert [m["role"] for m in _messages(chat)] == ["system", "user", "system", "user"]
 
 
 def test_omitted_thinking_blocks_still_open_and_close_in_the_stream() -> None:
@@ -203,12 +237,13 @@ def test_tool_search_results_and_deferred_tools() -> None:
                                           "content": [{"type": "tool_reference",
                                                        "tool_name": "WebFetch"}]}]},
         ]))
-    assert [tool.function.name for tool in chat.tools or []] == ["Read"]
-    tool_message = next(m for m in chat.messages if m.role == "tool")
-    assert openai.message_text(tool_message.content) == "Tool loaded: WebFetch"
+    tools = chat.prompt.tools or []  # type: ignore[union-attr]
+    assert [tool["function"]["name"] for tool in tools] == ["Read"]
+    tool_message = next(m for m in _messages(chat) if m["role"] == "tool")
+    assert tool_message["content"] == "Tool loaded: WebFetch"
 
 
 def test_every_effort_claude_code_sends_is_accepted() -> None:
     for effort, level in (("low", "low"), ("xhigh", "high"), ("max", "high")):
         chat = _convert(_claude_code_request(output_config={"effort": effort}))
-        assert openai.template_kwargs(chat)["reasoning_effort"] == level
+        assert chat.prompt.template_kwargs["reasoning_effort"] == level  # type: ignore[union-attr]

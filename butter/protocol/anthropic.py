@@ -1,7 +1,9 @@
-"""Anthropic Messages API: request types, conversion to and from the chat request (pure).
+"""Anthropic Messages API: request types, conversion to and from the neutral request (pure).
 
-A Messages request becomes an OpenAI-shaped chat request, so both APIs share one path
-through templates, the engine and the markup parser; the results convert back into
+A Messages request becomes the pipeline's GenerationRequest directly (chat template
+messages, sampling, stops, the tool-call constraint), so both APIs share one path through
+templates, the engine and the markup parser, and every error names Anthropic's own
+fields; the results convert back into
 content blocks, stop reasons and Anthropic's usage (input tokens exclude the cached
 part, which is reported as cache_read_input_tokens).
 
@@ -26,10 +28,11 @@ from typing import Any, Literal
 
 import attrs
 
-from butter.chat.request import FinishReason, Usage
+from butter.chat import grammar as grammars
+from butter.chat.request import ChatPrompt, FinishReason, GenerationRequest, Usage
 from butter.errors import InvalidRequest
-from butter.protocol import openai
 from butter.protocol.convert import make_converter, structure_request
+from butter.sampling import SamplingParams
 
 
 @attrs.frozen
@@ -156,39 +159,71 @@ def shows_thinking(request: MessagesRequest) -> bool:
     return request.thinking is None or request.thinking.display != "omitted"
 
 
-# ---------------------------------------------------------------- request → chat
+# ---------------------------------------------------------------- request → generation
 
-def to_chat_request(request: MessagesRequest | CountTokensRequest) -> (
-    openai.ChatCompletionRequest
-):
-    """The equivalent chat request (validated by the chat parser, like any client's)."""
-    payload: dict[str, Any] = {"messages": _chat_messages(request)}
-    if request.model is not None:
-        payload["model"] = request.model
+MAX_TOP_K = 1 << 20
+MAX_STOP_SEQUENCES = 16  # (the engine's limit, as for OpenAI's `stop`)
+
+
+def generation_request(request: MessagesRequest | CountTokensRequest) -> GenerationRequest:
+    """What the pipeline runs for this request (a count_tokens request: its prompt)."""
     offered = [tool for tool in request.tools or [] if not tool.defer_loading]
-    if offered:
-        payload["tools"] = [_chat_tool(tool) for tool in offered]
-    if request.tool_choice is not None:
-        payload["tool_choice"] = _chat_tool_choice(request.tool_choice)
-    template_kwargs: dict[str, Any] = {}
+    choice, forced = _tool_choice(request.tool_choice)
+    tools = [_template_tool(tool) for tool in offered] if choice != "none" else []
+    prompt = ChatPrompt(_template_messages(request), tools=tools or None,
+                        template_kwargs=_template_kwargs(request))
+    if not isinstance(request, MessagesRequest):
+        return GenerationRequest(prompt=prompt, sampling=SamplingParams())
+    stops = tuple(stop for stop in request.stop_sequences or [] if stop)
+    if len(stops) > MAX_STOP_SEQUENCES:
+        raise InvalidRequest(f"stop_sequences: at most {MAX_STOP_SEQUENCES} are supported",
+                             param="stop_sequences")
+    constraint = _tool_constraint(choice, forced, tools)
+    sampling = attrs.evolve(_sampling_params(request), grammar=constraint)
+    return GenerationRequest(
+        prompt=prompt, sampling=sampling, max_tokens=request.max_tokens, stop=stops,
+        tool_schemas={tool.name: tool.input_schema for tool in offered} if tools else {},
+    )
+
+
+def _sampling_params(request: MessagesRequest) -> SamplingParams:
+    """Client values over llama-server's defaults, as for the OpenAI routes."""
+    if request.top_p is not None and not 0.0 <= request.top_p <= 1.0:
+        raise InvalidRequest("top_p: must be between 0 and 1", param="top_p")
+    if request.top_k is not None and not 0 <= request.top_k <= MAX_TOP_K:
+        raise InvalidRequest(f"top_k: must be between 0 and {MAX_TOP_K}", param="top_k")
+    overrides = {name: getattr(request, name) for name in ("temperature", "top_p", "top_k")
+                 if getattr(request, name) is not None}
+    return SamplingParams(**overrides)
+
+
+def _template_kwargs(request: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {}
     if request.thinking is not None:
-        template_kwargs["enable_thinking"] = request.thinking.type != "disabled"
-    if template_kwargs:
-        payload["chat_template_kwargs"] = template_kwargs
+        kwargs["enable_thinking"] = request.thinking.type != "disabled"
     effort = request.output_config.effort if request.output_config else None
     if effort is not None:
-        payload["reasoning_effort"] = EFFORT_LEVELS[effort]
-    if isinstance(request, MessagesRequest):
-        payload["max_tokens"] = request.max_tokens
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(request, name) is not None:
-                payload[name] = getattr(request, name)
-        if request.stop_sequences:
-            payload["stop"] = request.stop_sequences
-    return openai.parse_chat_request(payload)
+        kwargs["reasoning_effort"] = EFFORT_LEVELS[effort]
+    return kwargs
 
 
-def _chat_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+def _tool_constraint(choice: str, forced: str | None, tools: list[dict[str, Any]]) -> (
+    grammars.OutputConstraint | None
+):
+    """`any` and `tool` force a call (`tool`: of the named one); `auto` and `none` leave
+    the output free."""
+    if choice in ("auto", "none"):
+        return None
+    if not tools:
+        raise InvalidRequest("tool_choice: forcing a tool call needs tools",
+                             param="tool_choice")
+    return grammars.tool_call_grammar(tools, forced)
+
+
+def _template_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it (tool-call arguments as objects)."""
+    if not request.messages:
+        raise InvalidRequest("messages: must contain at least one message", param="messages")
     messages: list[dict[str, Any]] = []
     system = _system_text(request.system)
     if system:
@@ -269,7 +304,7 @@ def _assistant_message(message: Message, index: int) -> dict[str, Any]:
             thinking.append(block.thinking or "")
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function", "function": {
-                "name": block.name, "arguments": json.dumps(block.input or {})}})
+                "name": block.name, "arguments": block.input or {}}})
         else:
             raise InvalidRequest(
                 f"messages.{index}.content: unsupported block type {block.type!r}",
@@ -283,22 +318,20 @@ def _assistant_message(message: Message, index: int) -> dict[str, Any]:
     return result
 
 
-def _chat_tool(tool: ToolDef) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+def _template_tool(tool: ToolDef) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
     if tool.description is not None:
         function["description"] = tool.description
+    function["parameters"] = tool.input_schema
     return {"type": "function", "function": function}
 
 
-def _chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
-    if choice.type == "auto":
-        return "auto"
-    if choice.type == "any":
-        return "required"
-    if choice.type == "none":
-        return "none"
+def _tool_choice(choice: ToolChoice | None) -> tuple[str, str | None]:
+    """auto, any, none or tool, and the name of the tool a call must use."""
+    if choice is None or choice.type in ("auto", "any", "none"):
+        return ("auto" if choice is None else choice.type), None
     if choice.type == "tool" and choice.name:
-        return {"type": "function", "function": {"name": choice.name}}
+        return "tool", choice.name
     raise InvalidRequest("tool_choice.type must be auto, any, tool (with name) or none",
                          param="tool_choice")
 

@@ -305,9 +305,9 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
     async def create_message() -> Response:
         messages_request = anthropic.parse_messages_request(await _json_body())
         check_messages(len(messages_request.messages))
-        chat_request = anthropic.to_chat_request(messages_request)
-        resident = await backend.resident_for(chat_request.model)
-        prepared = await prepare(resident, openai.generation_request(chat_request))
+        generation = anthropic.generation_request(messages_request)
+        resident = await backend.resident_for(messages_request.model)
+        prepared = await prepare(resident, generation)
         watch = observer("/v1/messages")
         show_thinking = anthropic.shows_thinking(messages_request)
         if not messages_request.stream:
@@ -320,12 +320,11 @@ def create_app(backend: ServeBackend, limits: HttpLimits | None = None, *,
 
     @api("POST", "/messages/count_tokens")
     async def count_tokens() -> Response:
-        chat_request = anthropic.to_chat_request(
-            anthropic.parse_count_tokens_request(await _json_body())
-        )
+        count_request = anthropic.parse_count_tokens_request(await _json_body())
+        generation = anthropic.generation_request(count_request)
         resident = await backend.resident_for(None)  # waits out a swap, never starts one
-        _check_model(resident, chat_request.model)
-        prepared = await prepare(resident, openai.generation_request(chat_request))
+        _check_model(resident, count_request.model)
+        prepared = await prepare(resident, generation)
         return _json({"input_tokens": len(prepared.prompt)})
 
     # ---- the tokenizer, as vLLM and llama-server serve it (lm-eval's remote tokenizer)
