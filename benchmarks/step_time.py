@@ -9,9 +9,9 @@ llama.cpp backend is loaded three ways, with weight repacking on as `butter serv
 * llama.cpp: neither (``fast_layers=False, fast_lm_head=False``).
 
 and decode steps of 1, 2, 4 and 8 rows (sequences of 32 prompt tokens, greedy) are timed:
-the three backends are loaded side by side and take turns (``--rounds`` turns of
-``--steps`` steps each, after ``--warmup``), so that a slow minute of a shared machine
-falls on all three; each cell is the median step. The differences attribute the
+the three backends are loaded one at a time and take turns (``--rounds`` loads of each,
+``--steps`` steps per row count after ``--warmup``), so that a slow minute of a shared
+machine falls on all three; each cell is the median step. The differences attribute the
 step: layers (llama.cpp layers minus butter's), output projection, and the rest (attention,
 norms, sampling, Python). The floor for one row is the bytes a step must read (every
 weight of the file once; a tied embedding is the output matrix) over the machine's read
@@ -117,36 +117,35 @@ class Stream:
 
 
 def measure(path: Path, steps: int, warmup: int, threads: int, rounds: int) -> dict[str, Any]:
-    """Each configuration's median step per row count. The three backends are loaded side
-    by side and take turns, `steps` steps each per round, so that a slower minute of a
-    shared machine falls on all of them alike."""
+    """Each configuration's median step per row count. One backend is loaded at a time
+    (each one's OpenMP team would otherwise stay beside the others': more threads than
+    cores, and libgomp then sleeps at its barriers instead of spinning), and the three take
+    turns, `rounds` loads each, so that a slower minute of a shared machine falls on all
+    of them alike."""
     record: dict[str, Any] = {"model": str(path), "bytes_per_token": bytes_per_token(path),
                               "configs": {}}
-    backends = {name: LlamaCppBackend(path, n_cells=4096, n_seq=max(ROWS), n_batch=512,
+    times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in ROWS} for name in CONFIGS}
+    kernels: dict[str, dict[str, Any]] = {}
+    for _ in range(rounds):
+        for name, (fast_layers, fast_lm_head) in CONFIGS.items():
+            backend = LlamaCppBackend(path, n_cells=4096, n_seq=max(ROWS), n_batch=512,
                                       threads=threads, repack=True, fast_layers=fast_layers,
                                       fast_lm_head=fast_lm_head)
-                for name, (fast_layers, fast_lm_head) in CONFIGS.items()}
-    try:
-        times: dict[str, dict[int, list[float]]] = {name: {r: [] for r in ROWS} for name in CONFIGS}
-        for rows in ROWS:
-            streams = {name: Stream(backend, rows) for name, backend in backends.items()}
-            for stream in streams.values():
-                for _ in range(warmup):
-                    stream.step()
-            for _ in range(rounds):
-                for name, stream in streams.items():
+            try:
+                for rows in ROWS:
+                    stream = Stream(backend, rows)
+                    for _ in range(warmup):
+                        stream.step()
                     times[name][rows] += [stream.step() for _ in range(steps)]
-        for name, backend in backends.items():
-            diagnostics = backend.diagnostics()
-            record["configs"][name] = {
-                "ms": {rows: 1000 * statistics.median(times[name][rows]) for rows in ROWS},
-                "layers": diagnostics["kernels"]["layers"],
-                "output": diagnostics["kernels"]["output"],
-            }
-            print(f"{path.name} {name}: {record['configs'][name]['ms']}", file=sys.stderr)
-    finally:
-        for backend in backends.values():
-            backend.close()
+                kernels[name] = backend.diagnostics()["kernels"]
+            finally:
+                backend.close()
+    for name in CONFIGS:
+        record["configs"][name] = {
+            "ms": {rows: 1000 * statistics.median(times[name][rows]) for rows in ROWS},
+            "layers": kernels[name]["layers"], "output": kernels[name]["output"],
+        }
+        print(f"{path.name} {name}: {record['configs'][name]['ms']}", file=sys.stderr)
     return record
 
 
@@ -158,7 +157,8 @@ def markdown(records: Sequence[dict[str, Any]], bandwidth: float, title: str) ->
              f"- Read bandwidth (numpy sums on {cpu.cores} threads over 1 GiB): "
              f"{bandwidth / 1e9:.1f} GB/s",
              f"- Command: `python benchmarks/step_time.py` (the median decode step, the three "
-             f"configurations taking turns; repacking on, {PROMPT_TOKENS}-token prompts)",
+             "configurations loaded one at a time, taking turns; repacking on, "
+             f"{PROMPT_TOKENS}-token prompts)",
              ""]
     header = ["model", "MB/token", "floor c=1 (ms)", "config",
               *(f"{rows} rows (ms)" for rows in ROWS), "c=1 / floor"]

@@ -15,7 +15,7 @@ import trio
 
 from butter.backends.base import Backend, KvOp, RemoveTokens, RestoreSequence, SeqWork, StepResult
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.engine.engine import Engine, Generation
+from butter.engine.engine import Engine, Generation, RequestState
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -204,7 +204,7 @@ async def test_a_request_cancelled_mid_restore_releases_everything(
     with trio.CancelScope() as scope:
         async with engine.generate(prompt, GREEDY, 16) as generation:
             await gated.restore_submitted.wait()
-            assert generation.restoring
+            assert generation.state is RequestState.RESTORING
             scope.cancel()
             gated.gate.set()  # the step in flight finishes; the request is gone
             await trio.sleep_forever()

@@ -1,11 +1,11 @@
 """The one thread a backend evaluates on, and who may use its model while it closes.
 
-Both backends run every evaluation on one thread they own: llama.cpp's OpenMP builds keep
-a team of threads per calling thread (docs/architecture.md, "One llama.cpp thread"), and
-mlx ties unevaluated arrays to the thread that built them. Meanwhile requests are prepared
-(tokenized, their grammar compiled) on other threads, side by side, and a model swap may
-close the backend from yet another: closing waits for those users, then frees the model
-on the backend's thread after the step in flight.
+Both backends run every evaluation on one thread they own, the model's load included:
+llama.cpp's OpenMP builds keep a team of threads per calling thread (docs/architecture.md,
+"One llama.cpp thread"), and mlx ties unevaluated arrays to the thread that built them.
+Meanwhile requests are prepared (tokenized, their grammar compiled) on other threads, side
+by side, and a model swap may close the backend from yet another: closing waits for those
+users, then frees the model on the backend's thread after the step in flight.
 """
 
 from __future__ import annotations
@@ -72,6 +72,11 @@ class BackendWorker:
             with self._changed:
                 self._users -= 1
                 self._changed.notify_all()
+
+    def abandon(self) -> None:
+        """Stop the thread when there is no model to free (its load failed)."""
+        self._closed = True
+        self._thread.shutdown()
 
     def close(self) -> None:
         """Free the model on the thread, after its users and the step in flight. Idempotent:

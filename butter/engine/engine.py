@@ -4,13 +4,15 @@ Each iteration, between steps and only there, the loop detaches finished request
 from their sessions, attaches newly admitted requests to sessions (reusing or
 sharing cached prefixes), plans one step, and runs it on the backend's own thread.
 All session state changes in this one task, so a step in flight never races a
-lease. Requests talk to the loop only through flags and their output buffer.
+lease. Requests talk to the loop only through their state (RequestState: one method per
+event moves it, along TRANSITIONS) and their output buffer.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -49,8 +51,41 @@ from butter.sampling import SamplingParams
 
 log = logging.getLogger("butter")
 
-# "aborted": the engine stopped under it (model swap or shutdown); `error` says why.
-FinishReason = Literal["stop", "length", "error", "aborted"]
+# How a generation ended, as the engine knows it: "aborted", the engine stopped under it
+# (model swap or shutdown); `error` says why. (The wire's FinishReason, with "tool_calls",
+# is butter/chat/request.py's, made from this by butter/pipeline/run.py.)
+Ending = Literal["stop", "length", "error", "aborted"]
+
+
+class RequestState(enum.Enum):
+    """Where a request is in the engine."""
+
+    QUEUED = "queued"  # admitted: waits for a KV sequence (a choice: for its prompt's)
+    RESTORING = "restoring"  # has a sequence; its cached prefix loads from host RAM
+    PREFILLING = "prefilling"  # the prompt's uncached tokens are evaluated, chunk by chunk
+    DECODING = "decoding"  # it has sampled a token: one more per step
+    CANCELLED = "cancelled"  # the client left or stopped reading: dropped at the next step
+    FINISHED = "finished"  # ended (finish_reason says how); its output may still drain
+
+
+_S = RequestState
+# What may follow what. Any live state can end: the client leaves (CANCELLED), or the
+# request stops, fails or is aborted (FINISHED); a cancelled one is finished when the
+# engine drops it.
+TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    _S.QUEUED: frozenset({_S.RESTORING, _S.PREFILLING, _S.CANCELLED, _S.FINISHED}),
+    _S.RESTORING: frozenset({_S.PREFILLING, _S.CANCELLED, _S.FINISHED}),
+    _S.PREFILLING: frozenset({_S.DECODING, _S.CANCELLED, _S.FINISHED}),
+    _S.DECODING: frozenset({_S.CANCELLED, _S.FINISHED}),
+    _S.CANCELLED: frozenset({_S.FINISHED}),
+    _S.FINISHED: frozenset(),
+}
+# States whose request holds a KV sequence and has work for a step.
+STEPPING = frozenset({_S.PREFILLING, _S.DECODING})
+
+
+class IllegalTransition(Exception):
+    """A request was moved along no edge of TRANSITIONS: a bug in the engine."""
 
 # Upper bounds (seconds) of the step-time histogram exported on /metrics.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -105,12 +140,10 @@ class Generation:
     ticket: Ticket
     cached_tokens: int = 0
     completion_tokens: int = 0
-    finish_reason: FinishReason | None = None
+    finish_reason: Ending | None = None
     error: str | None = None
-    closed: bool = False  # the client left or stopped reading: drop at the next step
-    pending: tuple[int, ...] = ()
-    decoding: bool = False
-    restoring: bool = False  # its cached prefix is loading from the host-RAM tier
+    state: RequestState = RequestState.QUEUED
+    pending: tuple[int, ...] = ()  # to evaluate next: the prompt's tokens, or the last sampled
     attached: trio.Event = attrs.field(factory=trio.Event)  # cached_tokens is known
     # The request's other choices: they join once this one's prompt is in the cache (at
     # the engine's next step, always the same one, so a seeded request is reproducible).
@@ -132,6 +165,33 @@ class Generation:
     def prompt_tokens(self) -> int:
         return len(self.prompt)
 
+    @property
+    def prompt_evaluated(self) -> bool:
+        """Its whole prompt is in the cache (it has sampled a token)."""
+        return self.first_token_at is not None
+
+    def _enter(self, state: RequestState) -> None:
+        if state not in TRANSITIONS[self.state]:
+            raise IllegalTransition(f"a {self.state.value} request cannot become "
+                                    f"{state.value}")
+        self.state = state
+
+    def _leased(self, *, restoring: bool) -> None:
+        """It has a KV sequence: its prompt is evaluated next (after the restore)."""
+        self._enter(RequestState.RESTORING if restoring else RequestState.PREFILLING)
+        if not restoring:
+            self.attached.set()
+
+    def _restore_done(self) -> None:
+        if self.state is RequestState.RESTORING:  # (not if it was cancelled meanwhile)
+            self._enter(RequestState.PREFILLING)
+        self.attached.set()
+
+    def _sampled(self) -> None:
+        if self.state is RequestState.PREFILLING:
+            self._enter(RequestState.DECODING)
+            self.first_token_at = time.perf_counter()
+
     async def pieces(self, *, heartbeat: float | None = None) -> AsyncIterator[list[bytes]]:
         """Batches of detokenized pieces as they come; ends when generation finishes.
 
@@ -151,14 +211,13 @@ class Generation:
                 continue
             yield []
 
-    def close(self, reason: FinishReason | None = None) -> None:
+    def close(self, reason: Ending | None = None) -> None:
         """Drop it at the next step: the client left (no reason), or its output ended it
         (a stop string: "stop"), which the request log then says."""
-        self.closed = True
-        if reason is not None and self.finish_reason is None:
-            self.finish_reason = reason
-            self.finished_at = time.perf_counter()
-            self._ready.set()
+        if reason is not None:
+            self._finish(reason)
+        elif self.state not in (RequestState.CANCELLED, RequestState.FINISHED):
+            self._enter(RequestState.CANCELLED)
 
     def take_logprobs(self) -> list[Logprobs]:
         """The logprobs of the tokens whose pieces `pieces` yielded so far, not taken yet
@@ -172,7 +231,9 @@ class Generation:
             self._logprobs.append(logprobs)
         self._ready.set()
 
-    def _finish(self, reason: FinishReason, error: str | None = None) -> None:
+    def _finish(self, reason: Ending, error: str | None = None) -> None:
+        if self.state is not RequestState.FINISHED:
+            self._enter(RequestState.FINISHED)
         if self.finish_reason is None:
             self.finish_reason = reason
             self.error = error
@@ -424,7 +485,7 @@ class Engine:
             return
         for session in self._sessions:
             generation = session.generation
-            if generation is None or generation.closed or not generation.decoding:
+            if generation is None or generation.state is not RequestState.DECODING:
                 continue
             drop = window.overflow(len(session.kv_tokens), len(generation.pending))
             if drop:
@@ -453,11 +514,10 @@ class Engine:
         return [
             PendingWork(
                 seq=s.seq, start=len(s.kv_tokens), pending=s.generation.pending,
-                decoding=s.generation.decoding, score=s.generation.score,
+                decoding=s.generation.state is RequestState.DECODING, score=s.generation.score,
             )
             for s in self._sessions
-            if s.generation is not None and not s.generation.closed
-            and not s.generation.restoring
+            if s.generation is not None and s.generation.state in STEPPING
         ]
 
     def _record_kv_outcomes(self, results: list[StepResult], saving: list[HostEntry]) -> None:
@@ -480,8 +540,7 @@ class Engine:
                 generation.cached_tokens = 0
                 generation.pending = generation.prompt
         if generation is not None:
-            generation.restoring = False
-            generation.attached.set()
+            generation._restore_done()
 
     def _record(self, works: list[SeqWork], results: list[StepResult]) -> None:
         by_seq = {s.seq: s for s in results if isinstance(s, Sampled)}
@@ -495,16 +554,14 @@ class Engine:
             session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked
             self._cells.extend(work.seq, len(work.tokens))
             generation = session.generation
-            if generation is None or generation.closed:
+            if generation is None or generation.state not in STEPPING:
                 continue
             generation.pending = generation.pending[len(work.tokens):]
             if work.seq in by_seq:
                 self._accept(generation, by_seq[work.seq])
 
     def _accept(self, generation: Generation, sampled: Sampled) -> None:
-        generation.decoding = True
-        if generation.first_token_at is None:
-            generation.first_token_at = time.perf_counter()
+        generation._sampled()
         if generation.followers:  # its prompt is in the cache now: they can share it
             self._joining.extend(generation.followers)
             generation.followers = []
@@ -571,7 +628,8 @@ class Engine:
         now = time.monotonic()
         for session in self._sessions:
             generation = session.generation
-            if generation is not None and (generation.closed or generation.finish_reason):
+            if generation is not None and generation.state in (RequestState.CANCELLED,
+                                                                RequestState.FINISHED):
                 generation._finish("stop")  # no-op unless the client stopped it
                 session.generation = None
                 session.last_used = now
@@ -593,7 +651,7 @@ class Engine:
     def _attach_joining(self) -> None:
         while self._joining:
             generation = self._joining.pop(0)
-            if generation.closed:
+            if generation.state is not RequestState.QUEUED:  # cancelled, or aborted
                 continue
             lease = self._plan_lease(generation)
             if lease.host is not None:  # its cells appear before the cut: room first
@@ -631,7 +689,8 @@ class Engine:
         best: Session | None = None
         best_key = (0, False, 0.0)
         for session in self._sessions:
-            if session.generation is not None and session.generation.restoring:
+            if session.generation is not None and \
+                    session.generation.state is RequestState.RESTORING:
                 continue  # (its restore has not run yet, and may fail)
             keep = self._reusable(session, prompt)
             key = (keep, session.generation is None, session.last_used)
@@ -691,7 +750,6 @@ class Engine:
             self._ops.append(RestoreSequence(session.seq, lease.restore, keep))
             session.kv_tokens = list(lease.host.tokens[:keep])
             self._cells.extend(session.seq, keep)
-            generation.restoring = True
         elif lease.donor is not None:
             self._forget(session)
             self._ops.append(CopyPrefix(lease.donor.seq, session.seq, keep))
@@ -711,8 +769,7 @@ class Engine:
         generation.pending = generation.prompt[keep:]
         generation.leased_at = time.perf_counter()
         session.generation = generation
-        if not generation.restoring:
-            generation.attached.set()
+        generation._leased(restoring=lease.host is not None)
 
     def _make_room(self, extra: int, protect: Session | None) -> None:
         """Cached prefixes give way, least recently used first, until the live

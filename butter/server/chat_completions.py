@@ -94,8 +94,8 @@ PROGRESS_POLL_SECONDS = 0.1
 
 def _prompt_progress(generation: Generation) -> tuple[int, int]:
     """(positions of the prompt in the KV cache, milliseconds since it got a session)."""
-    if generation.decoding or generation.leased_at is None:
-        done = generation.prompt_tokens if generation.decoding else generation.cached_tokens
+    if generation.prompt_evaluated or generation.leased_at is None:
+        done = generation.prompt_tokens if generation.prompt_evaluated else generation.cached_tokens
         return done, 0 if generation.leased_at is None else _since(generation.leased_at)
     return generation.prompt_tokens - len(generation.pending), _since(generation.leased_at)
 

@@ -57,11 +57,18 @@ class LlamaCppBackend:
         but a row's result then depends on its place in the batch: docs/architecture.md).
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
-        self.model = LlamaModel(
-            path, n_cells=n_cells, n_seq=n_seq, cache_seqs=cache_seqs, n_batch=n_batch,
-            threads=threads, kv_type=kv_type, fast_lm_head=fast_lm_head, repack=repack,
-            fast_layers=fast_layers,
-        )
+        # Everything that runs llama.cpp's threads runs on this one thread, loading included:
+        # see BackendWorker.
+        self._worker = BackendWorker("butter-llama", free=self._free)
+        try:
+            self.model = self._worker.run(
+                LlamaModel, path, n_cells=n_cells, n_seq=n_seq, cache_seqs=cache_seqs,
+                n_batch=n_batch, threads=threads, kv_type=kv_type, fast_lm_head=fast_lm_head,
+                repack=repack, fast_layers=fast_layers,
+            )
+        except BaseException:
+            self._worker.abandon()
+            raise
         self.info = self.model.info
         self.kv_type = self.model.kv_type
         self.n_cells = self.model.n_cells
@@ -79,7 +86,6 @@ class LlamaCppBackend:
         cpu = not ll.llama_supports_gpu_offload()
         self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
-        self._worker = BackendWorker("butter-llama", free=self._free)
         if self.model.lm_head is not None:
             try:
                 self._worker.run(self.model.verify_lm_head)

@@ -28,9 +28,9 @@ import ctypes
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import llama_cpp
@@ -47,6 +47,7 @@ from butter.backends.kernels import (
 from butter.backends.native import Unavailable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
@@ -372,4 +373,27 @@ def _register() -> LayerMatmul:
         raise Unavailable(f"registration failed (status {status})")
     if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):
         raise Unavailable("llama.cpp listed its buffer types before butter registered")
-    return LayerMatmul(lib, isa, _self_checked_types(lib, isa))
+    return LayerMatmul(lib, isa, _on_a_passing_thread(_self_checked_types, lib, isa))
+
+
+def _on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on a thread that then exits. The self-check runs ggml graphs on 2 threads,
+    and libgomp keeps a team of threads for every thread that ran a parallel region: a team
+    left on the caller's thread would make more OpenMP threads than cores, and then libgomp
+    barely spins at its barriers and sleeps instead, which made one-row decode steps on 2
+    cores several times slower (docs/architecture.md, "One llama.cpp thread")."""
+    box: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            box.append(fn(*args))
+        except BaseException as exc:  # (re-raised on the caller's thread)
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="butter-self-check")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return box[0]
