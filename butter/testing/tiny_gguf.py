@@ -390,6 +390,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str, *, fim: bool) ->
     writer.add_chat_template(chat_template)
 
 
+def _finish_file(writer: gguf.GGUFWriter, partial: pathlib.Path,
+                 target: pathlib.Path) -> pathlib.Path:
+    """Write what `writer` holds to `partial`, then rename it into place (a reader never
+    sees a half-written model)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(partial, target)
+    return target
+
+
 def write_tiny_qwen3_gguf(
     path: str | os.PathLike[str],
     *,
@@ -435,12 +447,7 @@ def write_tiny_qwen3_gguf(
             writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(tensor_name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(partial, target)
-    return target
+    return _finish_file(writer, partial, target)
 
 
 # --- a recurrent model -------------------------------------------------------
@@ -504,9 +511,4 @@ def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
             writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(partial, target)
-    return target
+    return _finish_file(writer, partial, target)
