@@ -228,11 +228,10 @@ def test_non_reading_streamers_are_closed_and_their_requests_cancelled(
             sock.close()
     assert metric(server, "butter_abandoned_responses_total") == abandoned + 3
     assert metric(server, "butter_cancellations_total") == cancelled + 3
+    # Each request is logged as cancelled. (Whether its generation had ended by then
+    # depends on the machine: the engine fills its output buffer while the writes block.)
     finished = [line for line in server.output[log_start:] if "finish=" in line]
-    completions = [int(re.search(r"completion=(\d+)", line).group(1))  # type: ignore[union-attr]
-                   for line in finished]
     assert len(finished) == 3 and all("cancelled=True" in line for line in finished)
-    assert all(count < LONG_STREAM_TOKENS for count in completions)  # cut while generating
     assert_nothing_left(server, baseline)
 
 

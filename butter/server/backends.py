@@ -152,6 +152,7 @@ class ResidentServeBackend:
         self._precheck = precheck or (catalog_precheck(catalog) if catalog else None)
         self.allow_swap = allow_swap
         self._lock = trio.Lock()  # FIFO: swaps, and requests waiting for one, go in order
+        self._swapping = False  # from unloading the old model until the new one has loaded
         self.swaps = 0
 
     @property
@@ -166,8 +167,8 @@ class ResidentServeBackend:
 
     @property
     def swapping(self) -> bool:
-        # The lock is held from unloading the old model until the new one has loaded.
-        return self._lock.locked()
+        # (Not the lock: a request that waited for a swap holds it for a moment after.)
+        return self._swapping
 
     def swappable(self) -> list[str]:
         if not self.allow_swap or self._catalog is None:
@@ -219,10 +220,13 @@ class ResidentServeBackend:
         async with self._lock:
             if self._model is None:
                 try:
+                    self._swapping = True
                     self._model = await self._loader(model)
                 except ModelLoadError as exc:
                     raise ModelNotFound(f"model {model!r} could not be loaded: {exc}",
                                         param="model") from None
+                finally:
+                    self._swapping = False
                 self.swaps += 1
                 log.info("loaded %r: a model is resident again", model)
         return await self.resident_for(model)
@@ -239,6 +243,13 @@ class ResidentServeBackend:
             raise ModelNotFound(str(exc), param="model") from None
 
     async def _swap(self, model: str) -> ResidentModel:
+        self._swapping = True
+        try:
+            return await self._swap_models(model)
+        finally:
+            self._swapping = False
+
+    async def _swap_models(self, model: str) -> ResidentModel:
         assert self._model is not None
         old, old_id = self._model, self._model.id
         restore_id = self._initial_id if old.resident.is_boot_model else old_id
