@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,16 +44,6 @@ async def open_raw_request(server: ServerProcess, body: bytes) -> trio.SocketStr
     return stream
 
 
-async def read_until(stream: trio.SocketStream, needle: bytes, limit: int = 1 << 20) -> bytes:
-    data = b""
-    while needle not in data and len(data) < limit:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
 async def wait_until_idle(server: ServerProcess) -> dict[str, int]:
     async with httpx.AsyncClient() as client:
         with trio.fail_after(SETTLE_TIMEOUT_S):
@@ -62,6 +53,18 @@ async def wait_until_idle(server: ServerProcess) -> dict[str, int]:
                     assert stats["reserved_cells"] == 0
                     return stats  # type: ignore[no-any-return]
                 await trio.sleep(0.05)
+
+
+async def wait_for_engine(server: ServerProcess, *, active: int, queued: int = 0) -> None:
+    """Until /v1/server shows this many requests running and waiting (the engine's own
+    count: what a sleep could only hope for)."""
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(SETTLE_TIMEOUT_S):
+            while True:
+                stats = (await client.get(f"{server.api}/server")).json()["engine"]
+                if (stats["active"], stats["queued"]) == (active, queued):
+                    return
+                await trio.sleep(0.01)
 
 
 async def session_cells(server: ServerProcess) -> list[int]:
@@ -81,7 +84,11 @@ async def test_killing_a_streaming_client_mid_decode_frees_its_session(
 ) -> None:
     before = await session_cells(tiny_server)
     stream = await open_raw_request(tiny_server, chat_body("tell me everything", 1900, True))
-    data = await read_until(stream, b'"content":"', )
+    data = b""
+    while not re.search(rb'"content":"[^"]', data):  # a token (the first delta is empty)
+        chunk = await stream.receive_some(65536)
+        assert chunk, data
+        data += chunk
     assert data.startswith(b"HTTP/1.1 200")
     await stream.aclose()  # the client vanishes mid-decode
     stats = await wait_until_idle(tiny_server)
@@ -100,10 +107,7 @@ async def test_killing_a_non_stream_client_mid_prefill_frees_its_session(
     long_prompt = "Describe the ocean in detail. " * 300  # ~2000 tokens: seconds of prefill
     before = await session_cells(demo_server)
     stream = await open_raw_request(demo_server, chat_body(long_prompt, 16, False))
-    await trio.sleep(0.5)
-    async with httpx.AsyncClient() as client:
-        busy = (await client.get(f"{demo_server.api}/server")).json()["engine"]
-    assert busy["active"] == 1
+    await wait_for_engine(demo_server, active=1)  # admitted: its prefill takes seconds
     await stream.aclose()
     stats = await wait_until_idle(demo_server)
     changed = grown(before, stats)
@@ -123,19 +127,16 @@ async def test_queued_clients_proceed_in_fifo_order(single_slot_server: ServerPr
                 if '"content":"' in line and '"content":""' not in line:
                     first_content.setdefault(name, time.monotonic())
 
-    async def leaves_while_queued() -> None:
-        stream = await open_raw_request(single_slot_server, chat_body("impatient", 8, True))
-        await trio.sleep(0.3)
-        await stream.aclose()
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(streamed, "holder", 1500)
-        await trio.sleep(0.2)
+        await wait_for_engine(single_slot_server, active=1)
         nursery.start_soon(streamed, "A", 300)
-        await trio.sleep(0.05)
-        nursery.start_soon(leaves_while_queued)
-        await trio.sleep(0.05)
+        await wait_for_engine(single_slot_server, active=1, queued=1)
+        impatient = await open_raw_request(single_slot_server, chat_body("impatient", 8, True))
+        await wait_for_engine(single_slot_server, active=1, queued=2)
         nursery.start_soon(streamed, "B", 300)
+        await wait_for_engine(single_slot_server, active=1, queued=3)
+        await impatient.aclose()  # it leaves the queue between A and B
     assert first_content["holder"] < first_content["A"] < first_content["B"]
     await wait_until_idle(single_slot_server)
 
@@ -143,10 +144,10 @@ async def test_queued_clients_proceed_in_fifo_order(single_slot_server: ServerPr
 async def fill_the_queue(server: ServerProcess) -> list[trio.SocketStream]:
     """One request holds the only slot; three more fill --max-queue 3."""
     streams = [await open_raw_request(server, chat_body("hold", 3000, True))]
-    await trio.sleep(0.2)
+    await wait_for_engine(server, active=1)
     for _ in range(3):
         streams.append(await open_raw_request(server, chat_body("wait", 4, False)))
-    await trio.sleep(0.3)
+    await wait_for_engine(server, active=1, queued=3)
     return streams
 
 
