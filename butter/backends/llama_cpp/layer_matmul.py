@@ -29,6 +29,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -382,18 +383,5 @@ def _on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
     left on the caller's thread would make more OpenMP threads than cores, and then libgomp
     barely spins at its barriers and sleeps instead, which made one-row decode steps on 2
     cores several times slower (docs/architecture.md, "One llama.cpp thread")."""
-    box: list[T] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            box.append(fn(*args))
-        except BaseException as exc:  # (re-raised on the caller's thread)
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="butter-self-check")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return box[0]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="butter-self-check") as once:
+        return once.submit(fn, *args).result()  # (leaving the block joins the thread)
