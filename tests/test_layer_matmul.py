@@ -516,3 +516,32 @@ def test_the_table_gives_butter_exactly_the_types_the_library_multiplies() -> No
         assert layer_kernel(isa, "q4_K") is Kernel.REPACKED
         assert layer_kernel(isa, "q3_K") is Kernel.GENERIC
     assert butter_layer_types(Isa.NEON) == [] and butter_layer_types(Isa.NONE) == []
+
+
+def test_llama_cpp_threads_start_only_on_the_backends_thread_and_a_passing_one(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """libgomp keeps a team for every thread that runs a parallel region, and more OpenMP
+    threads than cores make its barriers sleep: the model loads on the backend's own
+    thread, and the self-check's thread has exited by the time registration returns."""
+    import threading
+
+    import butter.backends.llama_cpp.backend as backend_module
+
+    loaded_on: list[str] = []
+    real = backend_module.LlamaModel
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        loaded_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "LlamaModel", recording)
+    backend = _backend(tiny_gguf, fast_layers=True)
+    try:
+        assert loaded_on and loaded_on[0].startswith("butter-llama")
+    finally:
+        backend.close()
+    ran_on: list[threading.Thread] = []
+    assert layer_matmul._on_a_passing_thread(
+        lambda: ran_on.append(threading.current_thread()) or 7) == 7
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
