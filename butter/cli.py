@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds: while other requests stream, prompt chunks shrink (to 64 "
                             "tokens at least) so that a step carrying one takes about this "
                             "long; 0 = always --prefill-chunk (default %(default)s)")
+    serve.add_argument("--draft-max", type=int, default=defaults.DEFAULT_DRAFT_MAX, metavar="N",
+                       help="speculative decoding: a decoding request drafts up to N tokens "
+                            "from its own prompt and output (prompt lookup) and a step "
+                            "verifies them with everyone's next token; outputs do not change, "
+                            "and steps take only the drafts their measured cost pays for; "
+                            "0 = off; llama.cpp only (default %(default)s)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
                        help="llama.cpp threads (default: usable cores, %(default)s)")
     serve.add_argument("--step-shaping", action=argparse.BooleanOptionalAction, default=True,
@@ -195,6 +201,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         cache_ram_mib=max(0, args.cache_ram),
         decode_stall=max(0.0, args.decode_stall), threads=args.threads,
+        draft_max=max(0, args.draft_max),
         step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         fast_layers=args.fast_layers,
         deterministic=args.deterministic,

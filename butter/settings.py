@@ -31,6 +31,10 @@ DEFAULT_PREFILL_CHUNK = 256
 # longest stall 8.5 -> 2.5 s and tripled the streams' rate, but cost the long prompt 9-19%
 # more time to its first token (docs/architecture.md).
 DEFAULT_DECODE_STALL_SECONDS = 0.0
+# Speculative decoding: the most draft tokens one session verifies in a step. The backend's
+# exact batch width limits it first on llama.cpp's CPU builds (6, or 2 with repacked
+# weights); the engine takes fewer wherever the measured step costs say so.
+DEFAULT_DRAFT_MAX = 8
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # After a stream's first content, SSE frames are written at most this often (seconds):
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
@@ -104,6 +108,7 @@ class ServeSettings:
     cache_ram_mib: int = attrs.field(factory=default_cache_ram_mib)  # 0: no host-RAM tier
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     decode_stall: float = DEFAULT_DECODE_STALL_SECONDS  # 0: chunks never shrink
+    draft_max: int = DEFAULT_DRAFT_MAX  # speculative decoding's drafts per step; 0: off
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)

@@ -153,6 +153,11 @@ class SeqWork:
     # alternatives each (Scored); None: no scoring.
     score: int | None = None
     next_token: int | None = None
+    # A decode whose last `drafted` tokens are a guess at what comes next (speculative
+    # decoding): every row from the sampled token's on is sampled in order, as far as each
+    # sample equals the guess that follows it, and what the others wrote in the cache is
+    # removed. One Sampled per row sampled, in order; the sequence keeps that many tokens.
+    drafted: int = 0
 
 
 @attrs.frozen
@@ -202,6 +207,11 @@ class Backend(Protocol):
     # sequences' rows costs what the union of their attention costs (llama.cpp's CPU flash
     # attention: 64); 1: no such tiles. The step planner cuts chunks to match.
     prompt_tile: int
+    # The most rows a decode step may have for each row to be computed as it would be
+    # alone, which is what verifying a draft needs to change no output (0: no drafts);
+    # `speculation_off` says why there are none.
+    draft_rows: int
+    speculation_off: str | None
 
     @property
     def kv_bytes_per_token(self) -> float: ...

@@ -43,6 +43,14 @@ from butter.backends.base import (
 from butter.chat.request import Logprobs
 from butter.engine.admission import Admission, Ticket
 from butter.engine.cells import CellLedger
+from butter.engine.drafting import (
+    PROBE_EVERY,
+    Acceptance,
+    DraftOffer,
+    PromptLookup,
+    StepCosts,
+    draft_lengths,
+)
 from butter.engine.host_cache import HostCache, HostCacheStats, HostEntry, common_prefix_length
 from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
 from butter.errors import ContextLengthExceeded
@@ -159,6 +167,12 @@ class Generation:
     leased_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    # Speculative decoding: the prompt-lookup index of its tokens (built at its first
+    # draft), how well its drafts hold, and its draft tokens verified and accepted.
+    lookup: PromptLookup | None = None
+    acceptance: Acceptance = attrs.field(factory=Acceptance)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     _ready: trio.Event = attrs.field(factory=trio.Event)
 
     @property
@@ -288,6 +302,12 @@ class EngineStats:
     cached_entries: int = 0
     used_cells: int = 0
     host: HostCacheStats | None = None  # the host-RAM tier (None: off)
+    # Speculative decoding: draft tokens verified and accepted, the steps that verified
+    # any, and each running request's acceptance estimate (by sequence).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_steps: int = 0
+    acceptance: tuple[tuple[int, float], ...] = ()
 
 
 class EngineStopped(Exception):
@@ -309,11 +329,13 @@ class Engine:
     def __init__(
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
         max_queue: int, window: KvWindow | None = None, decode_stall: float = 0.0,
-        cache_ram_bytes: int = 0,
+        cache_ram_bytes: int = 0, draft_max: int = 0,
     ) -> None:
         """`decode_stall`: while sessions decode, shrink prompt chunks so that a step
         carrying one takes about this long (seconds; 0: always `prefill_chunk`).
-        `cache_ram_bytes`: the host-RAM tier's budget for evicted prefixes (0: none)."""
+        `cache_ram_bytes`: the host-RAM tier's budget for evicted prefixes (0: none).
+        `draft_max`: speculative decoding, at most this many draft tokens per session and
+        step (0: off; the backend may allow fewer, see Backend.draft_rows)."""
         self.backend = backend
         self.window = window
         self.max_context = max_context
@@ -339,8 +361,25 @@ class Engine:
         self._decode_rows = 0  # decode rows evaluated since the engine started
         self._totals = dict.fromkeys(
             ("requests_done", "prompt_tokens", "cached_tokens", "completion_tokens",
-             "prefix_hits", "prefix_misses"), 0
+             "prefix_hits", "prefix_misses", "drafted_tokens", "accepted_tokens",
+             "draft_steps"), 0
         )
+        self.draft_max = draft_max
+        self.draft_rows = backend.draft_rows
+        self.speculation_off = self._speculation_off()
+        self._step_costs = StepCosts()  # of decode-only steps, by rows
+
+    def _speculation_off(self) -> str | None:
+        """Why this engine does not speculate (None: it does)."""
+        if self.draft_max <= 0:
+            return "turned off (--draft-max 0)"
+        if self.backend.speculation_off is not None:
+            return self.backend.speculation_off
+        if self.draft_rows < 2:
+            return "the backend computes no batch of two rows as it computes one"
+        if self.window is not None:  # (a slide would cut into the draft's positions)
+            return "not with a sliding KV window (--kv-window-size)"
+        return None
 
     # ------------------------------------------------------------------ requests
 
@@ -413,6 +452,9 @@ class Engine:
             cached_entries=sum(1 for s in self._sessions if s.generation is None and s.kv_tokens),
             used_cells=self._cells.used,
             host=self._host.stats() if self._host.enabled else None,
+            acceptance=tuple(
+                (s.seq, round(s.generation.acceptance.rate, 3)) for s in self._sessions
+                if s.generation is not None and s.generation.lookup is not None),
             **self._totals,
         )
 
@@ -439,7 +481,7 @@ class Engine:
                 self._attach_joining()
                 self._age_out_idle()
                 self._slide_windows()
-                pending = self._pending_work()
+                pending = self._with_drafts(self._pending_work())
                 decoding = any(p.decoding and p.pending for p in pending)
                 works = plan_step(pending, self.prefill_budget.for_step(decoding),
                                   self.backend.prompt_tile)
@@ -470,12 +512,15 @@ class Engine:
         seconds = time.perf_counter() - started
         self._observe_step(seconds)
         self._decode_rows += sum(1 for w in works if not w.prompt)
+        if self.speculation_off is None and works and not any(w.prompt for w in works):
+            self._step_costs.observe(sum(len(w.tokens) for w in works), seconds)
         if self.prefill_budget.adapts:  # (off by default: no counting on every step)
             self.prefill_budget.observe(
                 prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
                 decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
             )
         self._record_kv_outcomes(sampled, saving)
+        self._totals["draft_steps"] += any(work.drafted for work in works)
         self._record(works, sampled)
 
     def _slide_windows(self) -> None:
@@ -520,6 +565,51 @@ class Engine:
             if s.generation is not None and s.generation.state in STEPPING
         ]
 
+    def _with_drafts(self, pending: list[PendingWork]) -> list[PendingWork]:
+        """The decoding sessions' drafts for this step (speculative decoding): only in a
+        step of decodes alone (a prompt chunk leaves it no spare width), and only as many
+        rows as pay for themselves (drafting.draft_lengths)."""
+        if self.speculation_off is not None or not pending or \
+                any(not p.decoding for p in pending):
+            return pending
+        sessions = [self._sessions[p.seq] for p in pending]
+        offers = [self._offer(session) for session in sessions]
+        if not any(offer.proposal for offer in offers):
+            return pending
+        lengths = draft_lengths(offers, len(pending), self.draft_rows, self._step_costs)
+        drafted: list[PendingWork] = []
+        for work, session, offer, length in zip(pending, sessions, offers, lengths,
+                                                strict=True):
+            generation = session.generation
+            assert generation is not None
+            if offer.proposal and not length:
+                generation.acceptance.steps_without += 1
+            drafted.append(attrs.evolve(work, draft=offer.proposal[:length]) if length
+                           else work)
+        return drafted
+
+    def _offer(self, session: Session) -> DraftOffer:
+        """What a decoding request proposes: the prompt lookup's continuation, cut to what
+        its max_tokens and its reserved cells leave room for."""
+        generation = session.generation
+        assert generation is not None  # (a stepping session's)
+        room = min(self.draft_max, generation.max_tokens - generation.completion_tokens - 1,
+                   generation.ticket.cells - generation.prompt_tokens
+                   - generation.completion_tokens)
+        if generation.score is not None or room <= 0:
+            return DraftOffer((), 0.0)
+        lookup = generation.lookup
+        history = session.kv_tokens
+        if lookup is None:
+            lookup = generation.lookup = PromptLookup(history)
+        elif len(lookup) < len(history):
+            lookup.extend(history[len(lookup):])
+        lookup.extend(generation.pending)
+        proposal = lookup.propose(room)
+        acceptance = generation.acceptance
+        return DraftOffer(proposal, acceptance.rate,
+                          probe=acceptance.steps_without >= PROBE_EVERY)
+
     def _record_kv_outcomes(self, results: list[StepResult], saving: list[HostEntry]) -> None:
         """The step's saves go to the host tier; a failed restore prefills instead."""
         saves = iter(saving)
@@ -543,22 +633,38 @@ class Engine:
             generation._restore_done()
 
     def _record(self, works: list[SeqWork], results: list[StepResult]) -> None:
-        by_seq = {s.seq: s for s in results if isinstance(s, Sampled)}
-        for scored in results:
-            if isinstance(scored, Scored):
-                scorer = self._sessions[scored.seq].generation
+        by_seq: dict[int, list[Sampled]] = {}
+        for result in results:
+            if isinstance(result, Sampled):
+                by_seq.setdefault(result.seq, []).append(result)
+            elif isinstance(result, Scored):
+                scorer = self._sessions[result.seq].generation
                 if scorer is not None:
-                    scorer.prompt_logprobs.extend(scored.logprobs)
+                    scorer.prompt_logprobs.extend(result.logprobs)
         for work in works:
             session = self._sessions[work.seq]
-            session.kv_tokens.extend(work.tokens)  # in the cache now, whoever asked
-            self._cells.extend(work.seq, len(work.tokens))
+            sampled = by_seq.get(work.seq, [])
+            # In the cache now, whoever asked (of a draft, the tokens its samples kept)
+            kept = len(sampled) if work.drafted else len(work.tokens)
+            session.kv_tokens.extend(work.tokens[:kept])
+            self._cells.extend(work.seq, kept)
             generation = session.generation
             if generation is None or generation.state not in STEPPING:
                 continue
             generation.pending = generation.pending[len(work.tokens):]
-            if work.seq in by_seq:
-                self._accept(generation, by_seq[work.seq])
+            if work.drafted:
+                self._count_draft(generation, work.drafted, accepted=kept - 1)
+            for one in sampled:
+                if generation.state not in STEPPING:  # (it ended inside the draft)
+                    break
+                self._accept(generation, one)
+
+    def _count_draft(self, generation: Generation, drafted: int, *, accepted: int) -> None:
+        generation.acceptance.observe(drafted, accepted)
+        generation.drafted_tokens += drafted
+        generation.accepted_tokens += accepted
+        self._totals["drafted_tokens"] += drafted
+        self._totals["accepted_tokens"] += accepted
 
     def _accept(self, generation: Generation, sampled: Sampled) -> None:
         generation._sampled()

@@ -27,6 +27,7 @@ class PendingWork:
     pending: tuple[int, ...]
     decoding: bool  # pending is the one sampled token, not prompt
     score: int | None = None  # score the prompt's tokens (SeqWork.score)
+    draft: tuple[int, ...] = ()  # a decode's guess at the tokens after it (SeqWork.drafted)
 
 
 # The smallest chunk the budget shrinks to while sessions decode. llama.cpp's CPU flash
@@ -80,7 +81,8 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
     """One step's works: every decoding session's token, then the prompt chunks (`tile`:
     the backend's Backend.prompt_tile)."""
     works = [
-        SeqWork(seq=s.seq, tokens=s.pending, start=s.start, sample=True)
+        SeqWork(seq=s.seq, tokens=s.pending + s.draft, start=s.start, sample=True,
+                drafted=len(s.draft))
         for s in sessions
         if s.decoding and s.pending
     ]

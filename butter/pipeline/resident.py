@@ -91,7 +91,7 @@ class ResidentModel:
             backend, parallel=settings.parallel, max_context=self.max_context,
             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
             window=self.window, decode_stall=settings.decode_stall,
-            cache_ram_bytes=settings.cache_ram_mib * 2**20,
+            cache_ram_bytes=settings.cache_ram_mib * 2**20, draft_max=settings.draft_max,
         )
         self.kv_requested = settings.kv_cache
         self.strict_max_tokens = settings.strict_max_tokens
@@ -194,6 +194,23 @@ class ResidentModel:
                 "this backend keeps no host-RAM tier (on MLX the KV pool is host memory)"),
             "hits": stats.prefix_hits, "misses": stats.prefix_misses,
             "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
+        }
+
+    def speculation_info(self) -> dict[str, Any]:
+        """What /v1/server shows of speculative decoding: whether it runs (and why not),
+        its draft tokens verified and accepted, and each running request's acceptance."""
+        engine = self.engine
+        stats = engine.stats()
+        return {
+            "enabled": engine.speculation_off is None,
+            "off_because": engine.speculation_off,
+            "draft_max": engine.draft_max,
+            "max_step_rows": engine.draft_rows,
+            "draft_steps": stats.draft_steps,
+            "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens,
+            "rejected_tokens": stats.drafted_tokens - stats.accepted_tokens,
+            "acceptance_by_seq": {str(seq): rate for seq, rate in stats.acceptance},
         }
 
     def close(self) -> None:

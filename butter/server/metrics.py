@@ -60,6 +60,13 @@ class _EngineCollector(Collector):
                                          stats.prefix_hits),
             "butter_prefix_cache_misses": ("Requests that reused no cached prefix",
                                            stats.prefix_misses),
+            "butter_draft_tokens": ("Speculative draft tokens verified", stats.drafted_tokens),
+            "butter_draft_accepted_tokens": ("Speculative draft tokens accepted",
+                                             stats.accepted_tokens),
+            "butter_draft_rejected_tokens": ("Speculative draft tokens rejected",
+                                             stats.drafted_tokens - stats.accepted_tokens),
+            "butter_draft_steps": ("Engine steps that verified draft tokens",
+                                   stats.draft_steps),
         }
         if stats.host is not None:
             counters["butter_host_cache_restores"] = ("Prefixes restored from host RAM",

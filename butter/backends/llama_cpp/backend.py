@@ -30,10 +30,16 @@ from butter.backends.base import (
     StepResult,
     apply_kv_ops,
 )
+from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.loading import LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
-from butter.backends.llama_cpp.stepping import PROMPT_TILE_ROWS, Stepper
+from butter.backends.llama_cpp.stepping import (
+    EXACT_BATCH_ROWS,
+    PROMPT_TILE_ROWS,
+    REPACKED_EXACT_ROWS,
+    Stepper,
+)
 from butter.backends.shaping import StepShaper
 from butter.backends.worker import BackendWorker
 from butter.cpu import this_cpu
@@ -84,8 +90,10 @@ class LlamaCppBackend:
         self.shaper = StepShaper(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
-        self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu)
+        self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
+                               pad_one_row=cpu)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
+        self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
             try:
                 self._worker.run(self.model.verify_lm_head)
@@ -100,6 +108,17 @@ class LlamaCppBackend:
         # so that the same seeded request could sample differently from one run to the next.
         head = self.model.lm_head
         self.shaper.head_choice = head is not None and repack and not head.exact
+
+    def _draft_rows(self) -> tuple[int, str | None]:
+        """How many rows a verifying step may have (docs/architecture.md, "Speculative
+        decoding"): llama.cpp's CPU matmuls compute each row of a batch of fewer than
+        EXACT_BATCH_ROWS as they would alone, but its repacked kernels multiply rows four
+        at a time from four rows on, where they round differently."""
+        if self.info.is_recurrent:
+            return 0, "a recurrent or hybrid model cannot take back rejected draft tokens"
+        repacked = any(Kernel.REPACKED.value in who
+                       for who in self.model.layer_kernels.values())
+        return (REPACKED_EXACT_ROWS if repacked else EXACT_BATCH_ROWS - 1), None
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -118,6 +118,25 @@ class Samplers:
                                     else None)
                 for one, (_, row, ordinal) in zip(sampled, rows, strict=True)]
 
+    def verify(self, seq: int, rows: tuple[tuple[int, int], ...], draft: tuple[int, ...], *,
+               ours: bool) -> list[Sampled]:
+        """Sample a draft's (batch row, output ordinal) rows in order, each with the
+        sequence's own chain and grammar, while the sample equals the draft token that the
+        next row was computed after: exactly the tokens, and the draws, that decoding the
+        rows one step at a time would give (a point-mass draft's speculative sampling)."""
+        head = self._model.lm_head if ours else None
+        verified: list[Sampled] = []
+        for index, (row, ordinal) in enumerate(rows):
+            logits = head.row(ordinal) if head is not None else None
+            sampled = self._sample(seq, row, logits)
+            if self._logprobs:
+                sampled = self._with_logprobs(sampled, row, logits)
+            verified.append(sampled)
+            if (sampled.error is not None or sampled.end_of_generation
+                    or index == len(draft) or sampled.token != draft[index]):
+                break
+        return verified
+
     def _with_logprobs(self, sampled: Sampled, row: int, logits: Any) -> Sampled:
         """The sampled token's logprobs, from the row's raw logits (sampling works on a
         copy of them in the candidates, so they are as the model computed them)."""

@@ -21,6 +21,20 @@ from butter.chat.request import Logprobs
 # (seq, batch row, output ordinal) of a row to sample
 SampleRow = tuple[int, int, int]
 
+# llama.cpp's CPU matmuls take one code path for batches of fewer than this many rows and
+# another from there on (docs/architecture.md, "Numerics and determinism"): within the
+# first, every row is computed as it would be alone.
+EXACT_BATCH_ROWS = 8
+# Its CPU flash attention computes a step of one query row another way (split over the
+# cache's cells, from 512 of them on) than the rows of a bigger step (each row over all the
+# cells), and the two round differently; a one-row step gets a scratch row beside it, so
+# that a decode row is computed the same alone or not, and a draft's rows as the one-row
+# steps they stand for.
+ONE_ROW_SCRATCH = 1
+# Its repacked kernels (Q4_0, Q4_K, IQ4_NL) multiply a batch's rows four at a time and the
+# rest one by one, so only batches of up to this many rows compute each row as alone.
+REPACKED_EXACT_ROWS = 3
+
 # llama.cpp's CPU flash attention evaluates queries in tiles of this many rows
 # (GGML_FA_TILE_Q), and skips a block of the cache only where the whole tile is masked from
 # it. The step planner cuts the chunks of several prompts in one batch to whole tiles, so no
@@ -38,6 +52,17 @@ SEPARATE_PROMPT_ROWS = PROMPT_TILE_ROWS
 
 
 @attrs.frozen
+class DraftRows:
+    """The rows of a decode with a draft (SeqWork.drafted): sampled in order while each
+    sample equals the draft token after it."""
+
+    seq: int
+    start: int  # the work's first position
+    rows: tuple[tuple[int, int], ...]  # (batch row, output ordinal), the sampled token's on
+    draft: tuple[int, ...]
+
+
+@attrs.frozen
 class ScoreRow:
     """A prompt row whose logits score the prompt's next token."""
 
@@ -52,12 +77,13 @@ class Stepper:
     """Evaluates the works of a step and samples them (on the backend's thread)."""
 
     def __init__(self, model: LlamaModel, samplers: Samplers, shaper: StepShaper, *,
-                 separate_prompts: bool = True) -> None:
+                 separate_prompts: bool = True, pad_one_row: bool = True) -> None:
         self._model = model
         self._samplers = samplers
         self.shaper = shaper
         # Decode rows and a long prompt chunk in separate evaluations (SEPARATE_PROMPT_ROWS)
         self.separate_prompts = separate_prompts
+        self.pad_one_row = pad_one_row  # a scratch row beside one-row steps (ONE_ROW_SCRATCH)
         self.ours = False  # whether butter's projection gave the last decode's logits
         self.redone_steps = 0  # steps evaluated again because llama.cpp split them
         self.separated_steps = 0  # steps whose decode rows went first, on their own
@@ -74,6 +100,8 @@ class Stepper:
             self.separated_steps += 1
             decoded = self.run([work for work in works if not work.prompt])
             return decoded + self.decode(prompting, outputs=0)
+        if any(work.drafted for work in works):  # rows computed as alone: as they are
+            return self.decode(works, outputs=0)
         outputs = sum(1 for work in works if work.sample)
         shape = self.shaper.choose(outputs, decode_only=decode_only)
         self._decode_seconds = 0.0
@@ -95,7 +123,8 @@ class Stepper:
         (and scored, for works that ask). `ours`: butter's projection where it can;
         False: llama.cpp's."""
         model = self._model
-        sample_rows, score_rows, n_outputs, padded = self._fill_batch(works, outputs=outputs)
+        sample_rows, draft_rows, score_rows, n_outputs, padded = self._fill_batch(
+            works, outputs=outputs)
         head = model.lm_head
         armed = ours and head is not None and n_outputs <= head.rows
         status, verdict = self._evaluate(armed, n_outputs)
@@ -112,7 +141,19 @@ class Stepper:
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
         sampled: list[StepResult] = list(self._samplers.sample_rows(sample_rows, ours=self.ours))
+        for draft in draft_rows:
+            sampled += self._verified(draft)
         return sampled + self._scored(score_rows)
+
+    def _verified(self, draft: DraftRows) -> list[StepResult]:
+        """A draft's rows sampled as far as they agree with it; the cache forgets the
+        positions after the last token kept (each sample's token is the next row's input
+        only where it equals the draft)."""
+        sampled = self._samplers.verify(draft.seq, draft.rows, draft.draft, ours=self.ours)
+        kept = len(sampled)
+        if kept < len(draft.rows):
+            ll.llama_memory_seq_rm(self._model.mem, draft.seq, draft.start + kept, -1)
+        return list(sampled)
 
     def _scored(self, rows: list[ScoreRow]) -> list[StepResult]:
         """Each scoring work's logprobs, from its rows' logits."""
@@ -150,11 +191,11 @@ class Stepper:
 
     def _fill_batch(
         self, works: list[SeqWork], *, outputs: int = 0,
-    ) -> tuple[list[SampleRow], list[ScoreRow], int, bool]:
+    ) -> tuple[list[SampleRow], list[DraftRows], list[ScoreRow], int, bool]:
         """Write the works into the batch.
 
-        Returns the rows to sample, the rows that score a prompt token, the number of rows
-        with logits, and whether scratch rows were added.
+        Returns the rows to sample, the drafts' rows to verify, the rows that score a prompt
+        token, the number of rows with logits, and whether scratch rows were added.
 
         `outputs`: request logits on at least this many rows (see butter.backends.shaping),
         first on rows that need none, then on scratch rows."""
@@ -165,7 +206,9 @@ class Stepper:
         prompt_padding = 0
         if any(work.prompt for work in works) and rows < MIN_PROMPT_ROWS:
             prompt_padding = MIN_PROMPT_ROWS - rows
-        sampled = sum(1 for work in works if work.sample)
+        if self.pad_one_row and rows == 1:
+            prompt_padding = ONE_ROW_SCRATCH
+        sampled = sum(1 + work.drafted for work in works if work.sample)
         spare_outputs = max(0, outputs - sampled)
         padding = max(prompt_padding, spare_outputs - (rows - sampled))
         if rows + padding > model.n_batch:  # no room to shape: evaluate as it is
@@ -177,22 +220,27 @@ class Stepper:
         seq_id, logits = batch.seq_id, batch.logits
         row = n_outputs = 0
         sample_rows: list[SampleRow] = []
+        draft_rows: list[DraftRows] = []
         score_rows: list[ScoreRow] = []
         for work in works:
             last = len(work.tokens) - 1
+            first_sampled = last - work.drafted
+            verifying: list[tuple[int, int]] = []
             for offset, tok in enumerate(work.tokens):
                 token[row] = tok
                 pos[row] = work.start + offset
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
-                wants = work.sample and offset == last
+                wants = work.sample and offset >= first_sampled
                 target = None
                 if work.score is not None:  # (a prompt being scored: rare, never a decode)
                     target = work.tokens[offset + 1] if offset < last else work.next_token
                 scores = target is not None
                 output = wants or scores or spare_outputs > 0
                 logits[row] = output
-                if wants:
+                if wants and work.drafted:
+                    verifying.append((row, n_outputs))
+                elif wants:
                     sample_rows.append((work.seq, row, n_outputs))
                 if scores:
                     assert work.score is not None and target is not None
@@ -201,8 +249,11 @@ class Stepper:
                     spare_outputs -= 1
                 n_outputs += output
                 row += 1
+            if verifying:
+                draft_rows.append(DraftRows(work.seq, work.start, tuple(verifying),
+                                            work.tokens[first_sampled + 1:]))
         batch.n_tokens = row
-        return sample_rows, score_rows, n_outputs, padding > 0
+        return sample_rows, draft_rows, score_rows, n_outputs, padding > 0
 
     def step_logits(self, row: int) -> Any:
         """A copy of the logits batch row `row` of the last decode was sampled from."""

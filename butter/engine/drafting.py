@@ -1,0 +1,166 @@
+"""Speculative decoding's decisions (pure): what to draft, and how much of it a step takes.
+
+A decoding session proposes the tokens that followed the latest earlier occurrence of its
+own last few tokens, in its prompt or its output (prompt lookup: no second model, one small
+index per session). The step verifies them in the same evaluation as everyone's next token
+and keeps the longest prefix the model's own sampling agrees with
+(docs/architecture.md, "Speculative decoding").
+
+How many draft rows a step takes is a throughput decision: a session whose drafts were
+accepted with probability `a` per token expects `a + a² + ... + a^k` extra tokens from k
+rows, and the step costs what steps of that many rows were measured to cost. The step takes
+the number of rows that maximizes tokens per second, which is none where drafts are rarely
+accepted or rows are dear.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+# N-gram lengths the lookup tries, longest first: a longer match is likelier to go on.
+MAX_NGRAM = 4
+MIN_NGRAM = 2
+
+# A session's acceptance starts from this prior (as if PRIOR_TRIES draft tokens had been
+# tried), and every verified draft weighs the past by ACCEPTANCE_MEMORY, so a session's
+# estimate follows what its text does now (a copy starts, a copy ends).
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_TRIES = 2.0
+ACCEPTANCE_MEMORY = 0.8
+# A session that has stopped drafting (its estimate says rows cost more than they bring)
+# drafts one token every this many steps that have a proposal, so it notices when its text
+# starts to repeat what it has seen. At worst that is one extra row in this many steps.
+PROBE_EVERY = 32
+
+# Until steps of n rows have been measured, they are assumed to cost this much more per
+# extra row than the nearest measured size (optimistic, so that each size gets measured).
+UNMEASURED_ROW_COST = 0.05
+# Weight of a new measurement of a step size's cost.
+COST_MEMORY = 0.2
+
+
+class PromptLookup:
+    """A session's tokens and an index of their n-grams: proposes what followed the latest
+    earlier occurrence of the longest n-gram its tokens end with."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self._tokens: list[int] = []
+        # n-gram -> the position just after its latest occurrence (what followed it)
+        self._after: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            self._append(token)
+
+    def _append(self, token: int) -> None:
+        seen = self._tokens
+        end = len(seen)  # the new token's position: it follows the n-grams ending here
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            if end >= n:
+                self._after[tuple(seen[end - n:end])] = end
+        seen.append(token)
+
+    def propose(self, limit: int) -> tuple[int, ...]:
+        """Up to `limit` tokens that followed an earlier occurrence of the tokens' end."""
+        seen = self._tokens
+        if limit <= 0:
+            return ()
+        for n in range(min(MAX_NGRAM, len(seen)), MIN_NGRAM - 1, -1):
+            start = self._after.get(tuple(seen[-n:]))
+            if start is not None:
+                return tuple(seen[start:start + limit])
+        return ()
+
+
+@attrs.define
+class Acceptance:
+    """How likely a session's next draft token is to be accepted, given the one before it
+    was: accepted draft tokens over draft tokens put to the test (those accepted, and the
+    first rejected, if any), recent drafts weighing more."""
+
+    accepted: float = PRIOR_ACCEPTANCE * PRIOR_TRIES
+    tried: float = PRIOR_TRIES
+    steps_without: int = 0  # steps with a proposal that drafted nothing
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verified draft of `drafted` tokens, of which the first `accepted` held."""
+        if drafted == 0:
+            return
+        tried = accepted + (accepted < drafted)
+        self.accepted = self.accepted * ACCEPTANCE_MEMORY + accepted
+        self.tried = self.tried * ACCEPTANCE_MEMORY + tried
+        self.steps_without = 0
+
+
+@attrs.define
+class StepCosts:
+    """What decode-only steps cost, by their number of rows (seconds, smoothed)."""
+
+    seconds: dict[int, float] = attrs.field(factory=dict)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        known = self.seconds.get(rows)
+        self.seconds[rows] = seconds if known is None else \
+            known + COST_MEMORY * (seconds - known)
+
+    def cost(self, rows: int) -> float:
+        """The measured cost of `rows` rows, else an optimistic guess from the nearest
+        measured smaller size (relative units when nothing is measured yet)."""
+        if rows in self.seconds:
+            return self.seconds[rows]
+        smaller = [n for n in self.seconds if n < rows]
+        base_rows = max(smaller, default=None)
+        if base_rows is None:
+            larger = [n for n in self.seconds if n > rows]
+            if not larger:
+                return 1.0 + UNMEASURED_ROW_COST * (rows - 1)
+            base_rows = min(larger)  # (a cheaper guess below a measured size)
+            return self.seconds[base_rows] * (1 - UNMEASURED_ROW_COST * (base_rows - rows))
+        return self.seconds[base_rows] * (1 + UNMEASURED_ROW_COST * (rows - base_rows))
+
+
+@attrs.frozen
+class DraftOffer:
+    """A decoding session's proposal for this step, and how likely its tokens hold."""
+
+    proposal: tuple[int, ...]
+    acceptance: float
+    probe: bool = False  # draft one token whatever the estimate says
+
+
+def draft_lengths(offers: Sequence[DraftOffer], base_rows: int, max_rows: int,
+                  costs: StepCosts) -> list[int]:
+    """How many of each offer's tokens the step verifies: the total that maximizes the
+    expected tokens per second (the step's `base_rows` decode rows each bring one token;
+    a session's j-th draft token brings acceptance**j more), never past `max_rows` rows."""
+    lengths = [1 if offer.probe and offer.proposal else 0 for offer in offers]
+    room = max_rows - base_rows - sum(lengths)
+    if room <= 0:
+        return [0] * len(offers) if room < 0 else lengths
+    gains = sorted(
+        ((offer.acceptance ** j, index)
+         for index, offer in enumerate(offers)
+         for j in range(lengths[index] + 1, len(offer.proposal) + 1)),
+        key=lambda gain: -gain[0],
+    )[:room]
+    fixed = sum(lengths)
+    expected = base_rows + sum(offers[i].acceptance for i, n in enumerate(lengths) if n)
+    best_total, best_rate = 0, expected / costs.cost(base_rows + fixed)
+    for total, (gain, _) in enumerate(gains, start=1):
+        expected += gain
+        rate = expected / costs.cost(base_rows + fixed + total)
+        if rate > best_rate:
+            best_total, best_rate = total, rate
+    for _, index in gains[:best_total]:
+        lengths[index] += 1
+    return lengths
