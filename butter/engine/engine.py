@@ -174,6 +174,11 @@ class Generation:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     _ready: trio.Event = attrs.field(factory=trio.Event)
+    # Pieces pushed that are no generated token (the end token's logprob entry): in the
+    # buffer now, and in the batch `pieces` yielded last.
+    _uncounted: int = 0
+    _batch_uncounted: int = 0
+    stopped_by_output: bool = False  # a stop string ended it (stop_inside)
 
     @property
     def prompt_tokens(self) -> int:
@@ -216,6 +221,7 @@ class Generation:
             self._ready = trio.Event()
             if self._pieces:
                 batch, self._pieces = self._pieces, []
+                self._batch_uncounted, self._uncounted = self._uncounted, 0
                 yield batch
                 continue
             if self.finish_reason is not None:
@@ -233,14 +239,24 @@ class Generation:
         elif self.state not in (RequestState.CANCELLED, RequestState.FINISHED):
             self._enter(RequestState.CANCELLED)
 
+    def stop_inside(self, unused: int) -> None:
+        """Its output hit a stop string with the last `unused` pieces of the batch `pieces`
+        yielded last after it: those tokens lie past the answer's end and are not counted,
+        however far ahead of its reader the engine (or a verified draft) had run."""
+        self.completion_tokens -= max(0, unused - self._batch_uncounted)
+        self.stopped_by_output = True
+        self.close("stop")
+
     def take_logprobs(self) -> list[Logprobs]:
         """The logprobs of the tokens whose pieces `pieces` yielded so far, not taken yet
         (read right after a batch: they are pushed together)."""
         taken, self._logprobs = self._logprobs, []
         return taken
 
-    def _push(self, piece: bytes, logprobs: Logprobs | None = None) -> None:
+    def _push(self, piece: bytes, logprobs: Logprobs | None = None, *,
+              counted: bool = True) -> None:
         self._pieces.append(piece)
+        self._uncounted += not counted
         if logprobs is not None:
             self._logprobs.append(logprobs)
         self._ready.set()
@@ -679,7 +695,7 @@ class Engine:
             return
         if sampled.end_of_generation:
             if sampled.logprobs is not None:  # the end token was sampled too: its logprob
-                generation._push(b"", sampled.logprobs)  # counts (an echo's last entry)
+                generation._push(b"", sampled.logprobs, counted=False)  # (an echo's last entry)
             generation._finish("stop")
             return
         generation.completion_tokens += 1
@@ -737,6 +753,8 @@ class Engine:
             if generation is not None and generation.state in (RequestState.CANCELLED,
                                                                 RequestState.FINISHED):
                 generation._finish("stop")  # no-op unless the client stopped it
+                if generation.stopped_by_output:
+                    self._cut_to_answer(session, generation)
                 session.generation = None
                 session.last_used = now
                 session.idle_since_row = self._decode_rows
@@ -745,6 +763,18 @@ class Engine:
                 # client that stops reading must not pin a session slot.
                 self.admission.release(generation.ticket)
                 self._count(generation)
+
+    def _cut_to_answer(self, session: Session, generation: Generation) -> None:
+        """Forget the tokens generated past a stop string: what the client never saw cannot
+        return in its next prompt, and the cache is then the same however far ahead of the
+        reader the engine had run (drafts run further)."""
+        keep = generation.prompt_tokens + max(0, generation.completion_tokens - 1)
+        if keep >= len(session.kv_tokens) or not self._can_cut(session) or \
+                self.backend.info.is_recurrent:
+            return
+        self._ops.append(RemoveTokens(session.seq, keep, -1))
+        del session.kv_tokens[keep:]
+        self._cells.remove(session.seq, keep)
 
     def _count(self, generation: Generation) -> None:
         self._totals["requests_done"] += 1

@@ -85,18 +85,31 @@ async def generated_events(
         if not pieces:
             yield None
             continue
-        logprobs = generation.take_logprobs()  # (pushed with these pieces)
-        for event in assembler.feed(pieces):
+        logprobs = generation.take_logprobs()  # (pushed with these pieces, one each)
+        events, used = _feed_until_stop(assembler, pieces)
+        if assembler.stopped:  # before any yield: the engine adds nothing more to it
+            generation.stop_inside(unused=len(pieces) - used)
+        for event in events:
             if observer is not None:
                 observer.output()
             yield event
         if logprobs:
-            yield LogprobsDelta(tuple(logprobs))
+            yield LogprobsDelta(tuple(logprobs[:used]))
         if assembler.stopped:
-            generation.close("stop")  # the engine drops it before the next step
-            break
+            break  # the engine drops it before the next step
     for event in assembler.finish():
         yield event
+
+
+def _feed_until_stop(assembler: OutputAssembler, pieces: list[bytes]) -> tuple[list[Event], int]:
+    """The events of the pieces up to the one that completes a stop string (all of them if
+    none does), and how many pieces that took."""
+    events: list[Event] = []
+    for used, piece in enumerate(pieces, start=1):
+        events += assembler.feed([piece])
+        if assembler.stopped:
+            return events, used
+    return events, len(pieces)
 
 
 def finish_reason(generation: Generation, assembler: OutputAssembler) -> FinishReason:

@@ -57,7 +57,8 @@ class MlxBackend:
         self.rewind_limit = self.model.rewind_limit
         self.prompt_tile = 1  # mlx evaluates each sequence's prompt on its own
         self.draft_rows = 0
-        self.speculation_off: str | None = "speculative decoding is built for llama.cpp only, not MLX yet"
+        # (mlx-lm's caches can be trimmed; verifying drafts in its batched decode is unbuilt)
+        self.speculation_off: str | None = "speculative decoding runs on llama.cpp only"
         self.caches = SessionCaches(self.model)
         self.grammars = LlguidanceGrammars(self.model)
         self.samplers = Samplers(self.model, self.grammars)

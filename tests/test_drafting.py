@@ -1,0 +1,129 @@
+"""Speculative decoding's decisions (butter/engine/drafting.py, pure): what prompt lookup
+proposes, how acceptance is estimated, and how many draft rows a step takes."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from butter.engine.drafting import (
+    MAX_NGRAM,
+    MIN_NGRAM,
+    PRIOR_ACCEPTANCE,
+    Acceptance,
+    DraftOffer,
+    PromptLookup,
+    StepCosts,
+    draft_lengths,
+)
+
+
+def brute_force_proposal(tokens: list[int], limit: int) -> tuple[int, ...]:
+    """What followed the latest earlier occurrence of the longest suffix n-gram."""
+    for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest first, not the suffix
+            if tokens[start:start + n] == suffix:
+                return tuple(tokens[start + n:start + n + limit])
+    return ()
+
+
+def test_the_lookup_proposes_what_followed_the_tokens_end_before() -> None:
+    lookup = PromptLookup([1, 2, 3, 4, 5, 9, 2, 3])
+    assert lookup.propose(3) == (4, 5, 9)
+    assert lookup.propose(1) == (4,)
+    assert lookup.propose(0) == ()
+
+
+def test_the_longest_match_wins_over_a_later_shorter_one() -> None:
+    # (7, 2, 3) occurred once, followed by 9; (2, 3) last occurred followed by 6.
+    lookup = PromptLookup([7, 2, 3, 9, 8, 2, 3, 6, 7, 2, 3])
+    assert lookup.propose(2) == (9, 8)
+
+
+def test_no_earlier_occurrence_proposes_nothing() -> None:
+    assert PromptLookup([1, 2, 3, 4]).propose(4) == ()
+    assert PromptLookup([5]).propose(4) == ()
+
+
+@given(st.lists(st.integers(0, 4), max_size=60), st.integers(0, 8), st.integers(1, 10))
+def test_the_index_agrees_with_a_brute_force_search_however_it_was_fed(
+    tokens: list[int], limit: int, cut: int
+) -> None:
+    whole = PromptLookup(tokens)
+    grown = PromptLookup(tokens[:cut])
+    for token in tokens[cut:]:
+        grown.extend([token])
+    expected = brute_force_proposal(tokens, limit)
+    assert whole.propose(limit) == expected
+    assert grown.propose(limit) == expected
+    assert len(grown) == len(tokens)
+
+
+def test_acceptance_counts_the_accepted_tokens_and_the_first_rejected_one() -> None:
+    acceptance = Acceptance()
+    assert acceptance.rate == PRIOR_ACCEPTANCE
+    for _ in range(20):
+        acceptance.observe(drafted=4, accepted=4)  # all held: nothing rejected
+    assert acceptance.rate > 0.95
+    for _ in range(20):
+        acceptance.observe(drafted=4, accepted=0)  # the first one failed
+    assert acceptance.rate < 0.05
+    before = acceptance.rate
+    acceptance.observe(drafted=0, accepted=0)  # nothing drafted: nothing learned
+    assert acceptance.rate == before
+
+
+def test_half_accepted_drafts_estimate_one_half() -> None:
+    acceptance = Acceptance()
+    for _ in range(40):
+        acceptance.observe(drafted=3, accepted=1)  # one held, the second failed: 1 of 2
+    assert abs(acceptance.rate - 0.5) < 0.01
+
+
+def flat_costs(per_row: float) -> StepCosts:
+    """Steps that cost 1 + per_row for each row past the first, measured up to 8 rows."""
+    return StepCosts({rows: 1.0 + per_row * (rows - 1) for rows in range(1, 9)})
+
+
+def test_drafts_that_usually_hold_fill_the_step_up_to_its_width() -> None:
+    offers = [DraftOffer(tuple(range(10)), acceptance=0.9)]
+    assert draft_lengths(offers, base_rows=1, max_rows=7, costs=flat_costs(0.05)) == [6]
+
+
+def test_drafts_that_rarely_hold_are_not_verified() -> None:
+    offers = [DraftOffer((1, 2, 3), acceptance=0.1)]
+    assert draft_lengths(offers, base_rows=1, max_rows=7, costs=flat_costs(0.3)) == [0]
+
+
+def test_dear_rows_take_fewer_drafts_than_cheap_ones() -> None:
+    offers = [DraftOffer(tuple(range(6)), acceptance=0.7)]
+    cheap = draft_lengths(offers, base_rows=1, max_rows=7, costs=flat_costs(0.02))
+    dear = draft_lengths(offers, base_rows=1, max_rows=7, costs=flat_costs(0.5))
+    assert cheap[0] > dear[0] > 0
+
+
+def test_the_rows_go_to_the_session_whose_drafts_hold_best() -> None:
+    offers = [DraftOffer((1, 2, 3), acceptance=0.3), DraftOffer((4, 5, 6), acceptance=0.95)]
+    lengths = draft_lengths(offers, base_rows=2, max_rows=5, costs=flat_costs(0.01))
+    assert lengths == [0, 3]
+
+
+def test_a_step_already_as_wide_as_allowed_takes_no_drafts() -> None:
+    offers = [DraftOffer((1, 2), acceptance=1.0, probe=True) for _ in range(3)]
+    assert draft_lengths(offers, base_rows=3, max_rows=3, costs=flat_costs(0.0)) == [0, 0, 0]
+
+
+def test_a_probe_drafts_one_token_whatever_the_estimate() -> None:
+    offers = [DraftOffer((1, 2, 3), acceptance=0.0, probe=True), DraftOffer((), 0.9)]
+    assert draft_lengths(offers, base_rows=2, max_rows=7, costs=flat_costs(1.0)) == [1, 0]
+
+
+def test_an_unmeasured_step_size_is_guessed_a_little_dearer_than_the_nearest_measured() -> None:
+    costs = StepCosts()
+    assert costs.cost(3) > costs.cost(1)  # relative units before any measurement
+    costs.observe(2, 0.010)
+    assert 0.010 < costs.cost(4) < 0.012
+    assert costs.cost(1) < 0.010  # below the only measured size
+    costs.observe(2, 0.020)  # smoothed, not replaced
+    assert 0.010 < costs.cost(2) < 0.020

