@@ -449,9 +449,10 @@ def _finish(
                              duration, cancelled)
             return
         request_log.info(
-            "%s finish=%s prompt=%d cached=%d completion=%d ttft=%s duration=%.3f "
-            "cancelled=%s", watch.route, generation.finish_reason, generation.prompt_tokens,
-            generation.cached_tokens, generation.completion_tokens, ttft, duration, cancelled,
+            "%s finish=%s prompt=%d cached=%d completion=%d drafts=%d/%d ttft=%s "
+            "duration=%.3f cancelled=%s", watch.route, generation.finish_reason,
+            generation.prompt_tokens, generation.cached_tokens, generation.completion_tokens,
+            generation.accepted_tokens, generation.drafted_tokens, ttft, duration, cancelled,
         )
 
     return finish

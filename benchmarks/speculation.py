@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Speculative decoding side by side: butter with and without its drafts against
+llama-server plain and with its n-gram modes, on copy-shaped and non-copying traffic.
+
+Workloads (greedy, streamed, c clients at once, each with its own text):
+
+- ``copy``: the demo base model (/v1/completions) continues a 30-line file it has just
+  been shown, from the file's first line: it repeats what it has seen (the issue's
+  headline workload).
+- ``edit``: the instruct model (SmolLM2-135M-Instruct, /v1/chat/completions) rewrites the
+  same kind of file with every function renamed: it paraphrases rather than copies.
+- ``chat``: the instruct model answers an ordinary question (nothing to copy).
+
+Each server runs alone, one at a time, at its defaults except what makes the runs
+comparable: the same threads, slots = clients (llama-server ``-np c``, butter
+``--parallel c``), the same context per slot. Reported per server and level: decode
+tokens per second per stream (tokens after the first over the time after the first, the
+median of the rounds) and characters per second, time to first token, and butter's
+drafted / accepted tokens from ``/v1/server``.
+
+Usage (from the repository root, after benchmarks/build_llama_server.sh)::
+
+    python benchmarks/speculation.py --markdown /tmp/spec.md --json /tmp/spec.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from compare import (
+    DEFAULT_LLAMA_SERVER_BIN,
+    md_table,
+    run_meta,
+    running_server,
+    wait_ready,
+)
+from compare import free_port as _free_port
+
+HOST = "127.0.0.1"
+CONTEXT_PER_SLOT = 2048
+
+
+def source_file(variant: int, lines: int = 30) -> str:
+    """A file of `lines` short functions; `variant` changes the names and numbers, so that
+    concurrent clients do not share one text."""
+    names = ("scale", "shift", "blend", "clamp", "round", "wrap", "fold", "mix", "tilt")
+    name = names[variant % len(names)]
+    rows = []
+    for i in range(lines // 2):
+        rows.append(f"def {name}_{i}(x):")
+        rows.append(f"    return x * {i + variant} + {(i * 7 + variant) % 23}")
+    return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: str  # butter's model id
+    route: str  # "completions" or "chat/completions"
+    max_tokens: int
+
+    def body(self, variant: int) -> dict[str, Any]:
+        code = source_file(variant)
+        first_line = code.splitlines()[0]
+        if self.name == "copy":
+            prompt = f"# file: util_{variant}.py\n{code}\n\n# the same file, again:\n{first_line}\n"
+            return {"prompt": prompt}
+        if self.name == "edit":
+            old = code.split("_")[0].split()[-1]
+            text = (f"Rewrite this Python file with every function named {old}_N renamed "
+                    f"to step_N, and nothing else changed:\n\n{code}")
+        else:
+            text = ("Explain to a curious twelve-year-old how a bicycle stays upright, "
+                    f"and why riding it gets easier with speed. (Question {variant}.)")
+        return {"messages": [{"role": "user", "content": text}]}
+
+
+WORKLOADS = {
+    "copy": Workload("copy", "gemma-3-270m", "completions", 300),
+    "edit": Workload("edit", "smollm2-135m", "chat/completions", 300),
+    "chat": Workload("chat", "smollm2-135m", "chat/completions", 200),
+}
+
+
+@dataclass
+class Stream:
+    ttft: float
+    decode_seconds: float
+    tokens: int
+    chars: int
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.tokens - 1) / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def chars_s(self) -> float:
+        return self.chars / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+
+def stream_one(base: str, workload: Workload, variant: int, model: str) -> Stream:
+    body = {"model": model, "max_tokens": workload.max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+            **workload.body(variant)}
+    started = time.perf_counter()
+    first = last = None
+    chars = tokens = 0
+    with httpx.Client(timeout=600) as client, \
+            client.stream("POST", f"{base}/v1/{workload.route}", json=body) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    chars += len(text)
+            if chunk.get("usage"):
+                tokens = int(chunk["usage"]["completion_tokens"])
+    if first is None or last is None:
+        raise RuntimeError("the stream carried no text")
+    return Stream(first - started, last - first, tokens, chars)
+
+
+def run_level(base: str, workload: Workload, clients: int, model: str) -> list[Stream]:
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(stream_one, base, workload, variant, model)
+                   for variant in range(clients)]
+        return [future.result() for future in futures]
+
+
+@dataclass(frozen=True)
+class Server:
+    label: str
+    kind: str  # "butter" or "llama-server"
+    flags: tuple[str, ...] = ()
+
+
+SERVERS = (
+    Server("butter", "butter"),
+    Server("butter --draft-max 0", "butter", ("--draft-max", "0")),
+    Server("llama-server", "llama-server"),
+    Server("llama-server ngram-simple", "llama-server", ("--spec-type", "ngram-simple")),
+    Server("llama-server ngram-mod", "llama-server", ("--spec-type", "ngram-mod")),
+)
+
+
+def model_path(model: str) -> str:
+    from butter.models import resolve_model
+
+    return str(resolve_model(model))
+
+
+def server_argv(server: Server, args: argparse.Namespace, workload: Workload, clients: int,
+                port: int) -> list[str]:
+    if server.kind == "butter":
+        return [sys.executable, "-m", "butter.cli", "serve", "--model", workload.model,
+                "--host", HOST, "--port", str(port), "--parallel", str(clients),
+                "--threads", str(args.threads), "--max-context", str(CONTEXT_PER_SLOT),
+                *server.flags]
+    return [str(args.llama_server), "-m", model_path(workload.model), "--host", HOST,
+            "--port", str(port), "-np", str(clients), "-t", str(args.threads),
+            "-tb", str(args.threads), "-c", str(CONTEXT_PER_SLOT * clients), "--jinja",
+            *server.flags]
+
+
+def butter_speculation(base: str) -> dict[str, Any] | None:
+    try:
+        info: dict[str, Any] = httpx.get(f"{base}/v1/server", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    speculation: dict[str, Any] | None = info.get("speculation")
+    return speculation
+
+
+def measure(server: Server, workload: Workload, clients: int, args: argparse.Namespace,
+            logs: Path) -> dict[str, Any]:
+    port = _free_port(HOST)
+    argv = server_argv(server, args, workload, clients, port)
+    base = f"http://{HOST}:{port}"
+    log = logs / f"{workload.name}-{server.label.replace(' ', '_')}-c{clients}.log"
+    with running_server_spec(argv, log) as process:
+        wait_ready(process, base, "/health", 300)
+        model = workload.model if server.kind == "butter" else "default"
+        run_level(base, workload, clients, model)  # warm-up (and the prompts cached)
+        rounds = [run_level(base, workload, clients, model) for _ in range(args.rounds)]
+        speculation = butter_speculation(base) if server.kind == "butter" else None
+    streams = [stream for level in rounds for stream in level]
+    per_round = [statistics.mean(s.decode_tok_s for s in level) for level in rounds]
+    return {
+        "server": server.label, "workload": workload.name, "clients": clients,
+        "command": argv,
+        "decode_tok_s": statistics.median(per_round),
+        "decode_tok_s_rounds": per_round,
+        "chars_s": statistics.median(statistics.mean(s.chars_s for s in level)
+                                     for level in rounds),
+        "ttft_s": statistics.median(s.ttft for s in streams),
+        "tokens": [s.tokens for s in streams],
+        "speculation": speculation,
+    }
+
+
+def running_server_spec(argv: list[str], log: Path) -> Any:
+    from compare import ServerSpec
+
+    return running_server(ServerSpec(argv[0], argv, "/health"), log)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
+    machine = meta["machine"]
+    lines = [f"Run {meta['date']}, commit {meta['git_commit']}, {machine.get('cpu_model')} "
+             f"({machine.get('cpu_class')}), {machine.get('nproc')} cores.", ""]
+    for workload in WORKLOADS:
+        rows = [r for r in results if r["workload"] == workload]
+        if not rows:
+            continue
+        levels = sorted({r["clients"] for r in rows})
+        lines.append(f"### {workload}: decode tok/s per stream (chars/s), TTFT s")
+        lines.append("")
+        table = []
+        baseline = {r["clients"]: r["decode_tok_s"] for r in rows
+                    if r["server"] == "butter --draft-max 0"}
+        for label in dict.fromkeys(r["server"] for r in rows):
+            cells = [label]
+            for clients in levels:
+                r = next((x for x in rows if x["server"] == label and x["clients"] == clients),
+                         None)
+                if r is None:
+                    cells.append("—")
+                    continue
+                ratio = (r["decode_tok_s"] / baseline[clients]
+                         if baseline.get(clients) else None)
+                spec = r.get("speculation") or {}
+                accepted = ""
+                if spec.get("drafted_tokens"):
+                    accepted = (f", {spec['accepted_tokens']}/{spec['drafted_tokens']} "
+                                "drafts kept")
+                cells.append(f"{fmt(r['decode_tok_s'])} ({fmt(r['chars_s'], 0)}) ×"
+                             f"{fmt(ratio, 2)}, {fmt(r['ttft_s'], 2)} s{accepted}")
+            table.append(cells)
+        lines.append(md_table(["server", *[f"c={c}" for c in levels]], table))
+        lines.append("")
+    lines.append("× is the ratio to butter --draft-max 0 at the same c.")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", default="copy,edit,chat")
+    parser.add_argument("--clients", default="1,2,4,8")
+    parser.add_argument("--servers", default=",".join(s.label for s in SERVERS),
+                        help="labels, comma-separated")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/speculation-logs"))
+    parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--json", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    wanted = args.servers.split(",")
+    servers = [s for s in SERVERS if s.label in wanted]
+    results = []
+    for name in args.workloads.split(","):
+        workload = WORKLOADS[name]
+        for clients in (int(c) for c in args.clients.split(",")):
+            for server in servers:
+                try:
+                    result = measure(server, workload, clients, args, args.logs)
+                except Exception as exc:  # a server that fails is reported, not fatal
+                    result = {"server": server.label, "workload": name, "clients": clients,
+                              "error": repr(exc), "decode_tok_s": None, "chars_s": None,
+                              "ttft_s": None}
+                results.append(result)
+                print(json.dumps({k: result.get(k) for k in (
+                    "workload", "server", "clients", "decode_tok_s", "chars_s", "ttft_s",
+                    "error")}), flush=True)
+    meta = run_meta()
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    text = report([r for r in results if r.get("decode_tok_s") is not None], meta)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
