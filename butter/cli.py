@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "verifies them with everyone's next token; outputs do not change, "
                             "and steps take only the drafts their measured cost pays for; "
                             "0 = off; llama.cpp only (default %(default)s)")
+    serve.add_argument("--draft-model", metavar="PATH",
+                       help="speculative decoding: a smaller GGUF with the same vocabulary "
+                            "guesses the tokens prompt lookup finds none for (loaded beside "
+                            "every resident model whose vocabulary it shares); llama.cpp only "
+                            "(default: none)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
                        help="llama.cpp threads (default: usable cores, %(default)s)")
     serve.add_argument("--step-shaping", action=argparse.BooleanOptionalAction, default=True,
@@ -201,7 +206,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         cache_ram_mib=max(0, args.cache_ram),
         decode_stall=max(0.0, args.decode_stall), threads=args.threads,
-        draft_max=max(0, args.draft_max),
+        draft_max=max(0, args.draft_max), draft_model=args.draft_model,
         step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         fast_layers=args.fast_layers,
         deterministic=args.deterministic,

@@ -109,6 +109,7 @@ class ServeSettings:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     decode_stall: float = DEFAULT_DECODE_STALL_SECONDS  # 0: chunks never shrink
     draft_max: int = DEFAULT_DRAFT_MAX  # speculative decoding's drafts per step; 0: off
+    draft_model: str | None = None  # a GGUF with the same vocabulary that guesses drafts
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)

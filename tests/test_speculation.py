@@ -30,7 +30,9 @@ from butter.backends.base import (
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.chat.grammar import json_schema_grammar
 from butter.chat.request import Logprobs
+from butter.engine.drafting import PromptLookup
 from butter.engine.engine import Engine, EngineStats
+from butter.errors import ModelLoadError
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -426,3 +428,45 @@ async def test_tokens_generated_past_a_stop_string_leave_the_cache(
     (held,) = [s for s in engine._sessions if s.kv_tokens[:len(prompt)] == prompt]
     assert len(held.kv_tokens) == len(prompt) + counted - 1
     assert ll.llama_memory_seq_pos_max(backend.model.mem, held.seq) == len(held.kv_tokens) - 1
+
+
+# ---------------------------------------------------------------- a draft model
+
+
+async def test_a_draft_model_equal_to_the_target_has_every_guess_accepted(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prompt lookup finds nothing here: every draft is the draft model's guess.
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, limit: ())
+    backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=1, n_batch=264, threads=2,
+                              fast_lm_head=False, draft_model=tiny_gguf)
+    try:
+        assert backend.guesses and backend.draft_model_off is None
+        prompt = backend.tokenize("Once upon a time in a land far away", add_bos=False)
+        (plain,) = await generate(backend, prompt, [GREEDY], 80, draft_max=0, save=True)
+        (guessed,) = await generate(backend, prompt, [GREEDY], 80, draft_max=8, save=True)
+        assert guessed.text == plain.text and guessed.kv_state == plain.kv_state
+        stats = guessed.stats  # (as costly as the target, its guesses barely pay: few)
+        assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens
+        assert stats.steps < plain.stats.steps
+        assert backend.guess_seconds > 0
+    finally:
+        backend.close()
+
+
+def test_a_draft_model_must_share_the_vocabulary_and_be_able_to_rewind(
+    tiny_gguf: Path, tiny_mamba_gguf: Path, demo_gguf: Path,
+) -> None:
+    with pytest.raises(ModelLoadError, match="vocabulary has"):
+        ResidentModel.load_sync(ServeSettings(model=str(tiny_gguf), draft_model=str(demo_gguf),
+                                              max_context=512, threads=2))
+    with pytest.raises(ModelLoadError, match="recurrent"):
+        LlamaCppBackend(tiny_gguf, n_cells=512, n_seq=1, n_batch=64, threads=2,
+                        draft_model=tiny_mamba_gguf)
+    # A model swapped in later runs without it, and says why.
+    backend = LlamaCppBackend(tiny_gguf, n_cells=512, n_seq=1, n_batch=64, threads=2,
+                              draft_model=demo_gguf, draft_required=False)
+    try:
+        assert not backend.guesses and "vocabulary" in (backend.draft_model_off or "")
+    finally:
+        backend.close()

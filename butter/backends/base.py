@@ -158,6 +158,11 @@ class SeqWork:
     # sample equals the guess that follows it, and what the others wrote in the cache is
     # removed. One Sampled per row sampled, in order; the sequence keeps that many tokens.
     drafted: int = 0
+    # Or: the backend's draft model guesses this many tokens after `tokens`, and the step
+    # verifies them as it verifies a draft. `history`: the sequence's tokens before
+    # `tokens` (the engine's own list, read during the step, never copied).
+    guess: int = 0
+    history: Sequence[int] = ()
 
 
 @attrs.frozen
@@ -215,6 +220,16 @@ class Backend(Protocol):
 
     @property
     def kv_bytes_per_token(self) -> float: ...
+
+    @property
+    def guesses(self) -> bool:
+        """A draft model is loaded: works may ask it to guess (SeqWork.guess)."""
+        ...
+
+    @property
+    def guess_seconds(self) -> float:
+        """The time the draft model has spent guessing since the load."""
+        ...
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
 

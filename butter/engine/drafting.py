@@ -4,7 +4,8 @@ A decoding session proposes the tokens that followed the latest earlier occurren
 own last few tokens, in its prompt or its output (prompt lookup: no second model, one small
 index per session). The step verifies them in the same evaluation as everyone's next token
 and keeps the longest prefix the model's own sampling agrees with
-(docs/architecture.md, "Speculative decoding").
+(docs/architecture.md, "Speculative decoding"). Where the lookup finds nothing, a draft
+model, if one is loaded, guesses instead (its tokens are made in the step, by the backend).
 
 How many draft rows a step takes is a throughput decision: a session whose drafts were
 accepted with probability `a` per token expects `a + a² + ... + a^k` extra tokens from k
@@ -136,6 +137,8 @@ class DraftOffer:
     proposal: tuple[int, ...]
     acceptance: float
     probe: bool = False  # draft one token whatever the estimate says
+    token_cost: float = 0.0  # seconds each draft token costs to make (a draft model's)
+    guessed: bool = False  # the draft model makes its tokens in the step (placeholders here)
 
 
 def draft_lengths(offers: Sequence[DraftOffer], base_rows: int, max_rows: int,
@@ -155,10 +158,12 @@ def draft_lengths(offers: Sequence[DraftOffer], base_rows: int, max_rows: int,
     )[:room]
     fixed = sum(lengths)
     expected = base_rows + sum(offers[i].acceptance for i, n in enumerate(lengths) if n)
-    best_total, best_rate = 0, expected / costs.cost(base_rows + fixed)
-    for total, (gain, _) in enumerate(gains, start=1):
+    making = sum(offers[i].token_cost for i, n in enumerate(lengths) if n)
+    best_total, best_rate = 0, expected / (costs.cost(base_rows + fixed) + making)
+    for total, (gain, index) in enumerate(gains, start=1):
         expected += gain
-        rate = expected / costs.cost(base_rows + fixed + total)
+        making += offers[index].token_cost
+        rate = expected / (costs.cost(base_rows + fixed + total) + making)
         if rate > best_rate:
             best_total, best_rate = total, rate
     for _, index in gains[:best_total]:

@@ -171,6 +171,7 @@ class Generation:
     # draft), how well its drafts hold, and its draft tokens verified and accepted.
     lookup: PromptLookup | None = None
     acceptance: Acceptance = attrs.field(factory=Acceptance)
+    guess_acceptance: Acceptance = attrs.field(factory=Acceptance)  # the draft model's
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     _ready: trio.Event = attrs.field(factory=trio.Event)
@@ -384,6 +385,7 @@ class Engine:
         self.draft_rows = backend.draft_rows
         self.speculation_off = self._speculation_off()
         self._step_costs = StepCosts()  # of decode-only steps, by rows
+        self._guess_cost = 0.0  # seconds the draft model takes per guessed token (measured)
 
     def _speculation_off(self) -> str | None:
         """Why this engine does not speculate (None: it does)."""
@@ -513,6 +515,7 @@ class Engine:
     async def _step(self, works: list[SeqWork]) -> None:
         ops, self._ops = self._ops, []
         saving, self._saving = self._saving, []
+        guessing = self.backend.guess_seconds
         started = self.step_started = time.perf_counter()
         try:
             sampled = await _wait_for(self.backend.submit_step(ops, works))
@@ -529,15 +532,26 @@ class Engine:
         self._observe_step(seconds)
         self._decode_rows += sum(1 for w in works if not w.prompt)
         if self.speculation_off is None and works and not any(w.prompt for w in works):
-            self._step_costs.observe(sum(len(w.tokens) for w in works), seconds)
+            self._observe_costs(works, seconds, self.backend.guess_seconds - guessing)
         if self.prefill_budget.adapts:  # (off by default: no counting on every step)
             self.prefill_budget.observe(
                 prompt_tokens=sum(len(w.tokens) for w in works if w.prompt),
                 decode_rows=sum(1 for w in works if not w.prompt), seconds=seconds,
             )
         self._record_kv_outcomes(sampled, saving)
-        self._totals["draft_steps"] += any(work.drafted for work in works)
+        self._totals["draft_steps"] += any(work.drafted or work.guess for work in works)
         self._record(works, sampled)
+
+    def _observe_costs(self, works: list[SeqWork], seconds: float, guessing: float) -> None:
+        """A decode-only step's cost by rows, less the draft model's guessing (measured
+        apart, per guessed token)."""
+        guessed = sum(work.guess for work in works)
+        if guessed:
+            per_token = guessing / guessed
+            self._guess_cost = per_token if not self._guess_cost else \
+                self._guess_cost + 0.2 * (per_token - self._guess_cost)
+        rows = sum(len(work.tokens) + work.guess for work in works)
+        self._step_costs.observe(rows, seconds - guessing)
 
     def _slide_windows(self) -> None:
         """Drop the oldest positions after the sinks of sessions about to overflow."""
@@ -590,30 +604,34 @@ class Engine:
             return pending
         sessions = [self._sessions[p.seq] for p in pending]
         offers = [self._offer(session) for session in sessions]
-        if not any(offer.proposal for offer in offers):
+        if not any(offer.proposal for offer, _ in offers):
             return pending
-        lengths = draft_lengths(offers, len(pending), self.draft_rows, self._step_costs)
+        lengths = draft_lengths([offer for offer, _ in offers], len(pending),
+                                self.draft_rows, self._step_costs)
         drafted: list[PendingWork] = []
-        for work, session, offer, length in zip(pending, sessions, offers, lengths,
-                                                strict=True):
-            generation = session.generation
-            assert generation is not None
+        for work, session, (offer, estimate), length in zip(pending, sessions, offers,
+                                                            lengths, strict=True):
             if offer.proposal and not length:
-                generation.acceptance.steps_without += 1
-            drafted.append(attrs.evolve(work, draft=offer.proposal[:length]) if length
-                           else work)
+                estimate.steps_without += 1
+            if not length:
+                drafted.append(work)
+            elif offer.guessed:
+                drafted.append(attrs.evolve(work, guess=length, history=session.kv_tokens))
+            else:
+                drafted.append(attrs.evolve(work, draft=offer.proposal[:length]))
         return drafted
 
-    def _offer(self, session: Session) -> DraftOffer:
-        """What a decoding request proposes: the prompt lookup's continuation, cut to what
-        its max_tokens and its reserved cells leave room for."""
+    def _offer(self, session: Session) -> tuple[DraftOffer, Acceptance]:
+        """What a decoding request proposes, cut to what its max_tokens and its reserved
+        cells leave room for: the prompt lookup's continuation, else as many guesses of
+        the draft model (if one is loaded); and the estimate its drafts are judged by."""
         generation = session.generation
         assert generation is not None  # (a stepping session's)
         room = min(self.draft_max, generation.max_tokens - generation.completion_tokens - 1,
                    generation.ticket.cells - generation.prompt_tokens
                    - generation.completion_tokens)
         if generation.score is not None or room <= 0:
-            return DraftOffer((), 0.0)
+            return DraftOffer((), 0.0), generation.acceptance
         lookup = generation.lookup
         history = session.kv_tokens
         if lookup is None:
@@ -622,9 +640,14 @@ class Engine:
             lookup.extend(history[len(lookup):])
         lookup.extend(generation.pending)
         proposal = lookup.propose(room)
-        acceptance = generation.acceptance
-        return DraftOffer(proposal, acceptance.rate,
-                          probe=acceptance.steps_without >= PROBE_EVERY)
+        if not proposal and self.backend.guesses:  # (its tokens are made in the step)
+            estimate = generation.guess_acceptance
+            return DraftOffer((0,) * room, estimate.rate,
+                              probe=estimate.steps_without >= PROBE_EVERY,
+                              token_cost=self._guess_cost, guessed=True), estimate
+        estimate = generation.acceptance
+        offer = DraftOffer(proposal, estimate.rate, probe=estimate.steps_without >= PROBE_EVERY)
+        return offer, estimate
 
     def _record_kv_outcomes(self, results: list[StepResult], saving: list[HostEntry]) -> None:
         """The step's saves go to the host tier; a failed restore prefills instead."""
@@ -660,23 +683,29 @@ class Engine:
         for work in works:
             session = self._sessions[work.seq]
             sampled = by_seq.get(work.seq, [])
-            # In the cache now, whoever asked (of a draft, the tokens its samples kept)
-            kept = len(sampled) if work.drafted else len(work.tokens)
-            session.kv_tokens.extend(work.tokens[:kept])
-            self._cells.extend(work.seq, kept)
+            # In the cache now, whoever asked: of a draft, the tokens its samples kept (each
+            # kept draft token is the sample before it)
+            drafted = work.drafted or work.guess
+            tokens = work.tokens
+            if drafted:
+                tokens = (*work.tokens[:1], *(one.token for one in sampled[:-1]))
+            session.kv_tokens.extend(tokens)
+            self._cells.extend(work.seq, len(tokens))
             generation = session.generation
             if generation is None or generation.state not in STEPPING:
                 continue
             generation.pending = generation.pending[len(work.tokens):]
-            if work.drafted:
-                self._count_draft(generation, work.drafted, accepted=kept - 1)
+            if drafted:
+                estimate = generation.guess_acceptance if work.guess else generation.acceptance
+                self._count_draft(generation, estimate, drafted, accepted=len(tokens) - 1)
             for one in sampled:
                 if generation.state not in STEPPING:  # (it ended inside the draft)
                     break
                 self._accept(generation, one)
 
-    def _count_draft(self, generation: Generation, drafted: int, *, accepted: int) -> None:
-        generation.acceptance.observe(drafted, accepted)
+    def _count_draft(self, generation: Generation, estimate: Acceptance, drafted: int, *,
+                     accepted: int) -> None:
+        estimate.observe(drafted, accepted)
         generation.drafted_tokens += drafted
         generation.accepted_tokens += accepted
         self._totals["drafted_tokens"] += drafted

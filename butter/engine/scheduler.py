@@ -28,6 +28,8 @@ class PendingWork:
     decoding: bool  # pending is the one sampled token, not prompt
     score: int | None = None  # score the prompt's tokens (SeqWork.score)
     draft: tuple[int, ...] = ()  # a decode's guess at the tokens after it (SeqWork.drafted)
+    guess: int = 0  # or: the draft model guesses this many (SeqWork.guess)
+    history: Sequence[int] = ()  # the sequence's tokens, for the draft model
 
 
 # The smallest chunk the budget shrinks to while sessions decode. llama.cpp's CPU flash
@@ -82,7 +84,7 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
     the backend's Backend.prompt_tile)."""
     works = [
         SeqWork(seq=s.seq, tokens=s.pending + s.draft, start=s.start, sample=True,
-                drafted=len(s.draft))
+                drafted=len(s.draft), guess=s.guess, history=s.history)
         for s in sessions
         if s.decoding and s.pending
     ]

@@ -55,13 +55,18 @@ def cache_sequences(parallel: int) -> int:
     return max(0, min(DEFAULT_CACHED_PROMPTS, MAX_SEQUENCES - parallel))
 
 
-def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int], int]
-                  ) -> Backend:
+def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int], int], *,
+                  is_boot_model: bool = True) -> Backend:
+    """`is_boot_model`: a --draft-model that cannot serve it is an error (else the model
+    runs without it, and /v1/server says why)."""
     kv_type = parse_kv_cache(settings.kv_cache)
     cache_seqs = cache_sequences(settings.parallel)
     if is_mlx_checkpoint(path):
         from butter.backends.mlx import MlxBackend
 
+        if settings.draft_model is not None:
+            raise ModelLoadError("--draft-model works with GGUF models (llama.cpp), and "
+                                 f"{path} is an MLX checkpoint")
         return MlxBackend(path, n_cells=size_pool, n_seq=settings.parallel, kv_type=kv_type,
                           cache_seqs=cache_seqs)
     from butter.backends.llama_cpp import LlamaCppBackend  # (an MLX-only install has none)
@@ -71,6 +76,8 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         n_batch=settings.prefill_chunk + settings.parallel, threads=settings.threads,
         kv_type=kv_type, step_shaping=settings.step_shaping, fast_lm_head=settings.fast_lm_head,
         repack=not settings.deterministic, fast_layers=settings.fast_layers,
+        draft_model=Path(settings.draft_model) if settings.draft_model else None,
+        draft_required=is_boot_model,
     )
 
 
@@ -111,7 +118,8 @@ class ResidentModel:
             geometry_holder.append(kv_geometry(n_ctx_train, settings))
             return geometry_holder[0].pool_cells
 
-        backend = _load_backend(Path(path), settings, size_pool)
+        backend = _load_backend(Path(path), settings, size_pool,
+                                is_boot_model=model_id == settings.model)
         try:
             info = backend.info
             if settings.kv_window_size is not None and not backend.can_shift:
@@ -206,6 +214,8 @@ class ResidentModel:
             "off_because": engine.speculation_off,
             "draft_max": engine.draft_max,
             "max_step_rows": engine.draft_rows,
+            "draft_model": getattr(self.backend, "drafter_path", None),
+            "draft_model_off_because": getattr(self.backend, "draft_model_off", None),
             "draft_steps": stats.draft_steps,
             "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens,

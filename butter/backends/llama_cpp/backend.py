@@ -32,6 +32,7 @@ from butter.backends.base import (
 )
 from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
+from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import (
@@ -43,6 +44,7 @@ from butter.backends.llama_cpp.stepping import (
 from butter.backends.shaping import StepShaper
 from butter.backends.worker import BackendWorker
 from butter.cpu import this_cpu
+from butter.errors import ModelLoadError
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
 
@@ -52,7 +54,7 @@ class LlamaCppBackend:
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
         fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
-        cache_seqs: int = 0,
+        cache_seqs: int = 0, draft_model: Path | None = None, draft_required: bool = True,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
         `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes.
@@ -62,7 +64,10 @@ class LlamaCppBackend:
         repack weights for its interleaved kernels (faster one-row decode of some K-quants,
         but a row's result then depends on its place in the batch: docs/architecture.md).
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
-        llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does."""
+        llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
+        `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
+        decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
+        `draft_required`, else stays unloaded, and `draft_model_off` says why."""
         # Everything that runs llama.cpp's threads runs on this one thread, loading included:
         # see BackendWorker.
         self._worker = BackendWorker("butter-llama", free=self._free)
@@ -87,11 +92,15 @@ class LlamaCppBackend:
         # swa_full keeps sliding-window layers whole, so only recurrent state cannot rewind.
         self.rewind_limit = 1 if self.info.is_recurrent else None
         self.samplers = Samplers(self.model)
+        self.drafter: DraftModel | None = None
+        self.draft_model_off: str | None = None
+        if draft_model is not None:
+            self._load_drafter(draft_model, required=draft_required, threads=threads)
         self.shaper = StepShaper(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
         self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
-                               pad_one_row=cpu)
+                               pad_one_row=cpu, drafter=self.drafter)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
@@ -108,6 +117,33 @@ class LlamaCppBackend:
         # so that the same seeded request could sample differently from one run to the next.
         head = self.model.lm_head
         self.shaper.head_choice = head is not None and repack and not head.exact
+
+    def _load_drafter(self, path: Path, *, required: bool, threads: int) -> None:
+        model = self.model
+        try:
+            self.drafter = self._worker.run(
+                DraftModel, path, target_vocab=model.vocab, n_cells=model.n_cells,
+                n_seq=model.pad_seq + 1, threads=threads)
+        except ModelLoadError as exc:
+            if required:
+                self.close()
+                raise
+            self.draft_model_off = str(exc)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def drafter_path(self) -> str | None:
+        return str(self.drafter.path) if self.drafter is not None else None
+
+    @property
+    def guesses(self) -> bool:
+        return self.drafter is not None
+
+    @property
+    def guess_seconds(self) -> float:
+        return self.drafter.seconds if self.drafter is not None else 0.0
 
     def _draft_rows(self) -> tuple[int, str | None]:
         """How many rows a verifying step may have (docs/architecture.md, "Speculative
@@ -226,4 +262,6 @@ class LlamaCppBackend:
 
     def _free(self) -> None:
         self.samplers.free()
+        if self.drafter is not None:
+            self.drafter.free()
         self.model.free()

@@ -11,6 +11,7 @@ import attrs
 import llama_cpp as ll
 
 from butter.backends.base import BackendError, Scored, SeqWork, StepResult
+from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.lmhead import Verdict
@@ -77,13 +78,15 @@ class Stepper:
     """Evaluates the works of a step and samples them (on the backend's thread)."""
 
     def __init__(self, model: LlamaModel, samplers: Samplers, shaper: StepShaper, *,
-                 separate_prompts: bool = True, pad_one_row: bool = True) -> None:
+                 separate_prompts: bool = True, pad_one_row: bool = True,
+                 drafter: DraftModel | None = None) -> None:
         self._model = model
         self._samplers = samplers
         self.shaper = shaper
         # Decode rows and a long prompt chunk in separate evaluations (SEPARATE_PROMPT_ROWS)
         self.separate_prompts = separate_prompts
         self.pad_one_row = pad_one_row  # a scratch row beside one-row steps (ONE_ROW_SCRATCH)
+        self.drafter = drafter  # the draft model that fills SeqWork.guess, if any
         self.ours = False  # whether butter's projection gave the last decode's logits
         self.redone_steps = 0  # steps evaluated again because llama.cpp split them
         self.separated_steps = 0  # steps whose decode rows went first, on their own
@@ -93,6 +96,8 @@ class Stepper:
         """Evaluate the works in the shape the shaper chooses; their sampled tokens."""
         if not works:
             return []
+        if any(work.guess for work in works):
+            works = [self._guessed(work) for work in works]
         prompting = [work for work in works if work.prompt]
         decode_only = not prompting
         if (self.separate_prompts and not decode_only and len(prompting) < len(works)
@@ -116,6 +121,16 @@ class Stepper:
         if decode_only:  # the decodes only: sampling costs the same in every shape
             self.shaper.observe(outputs, shape, self._decode_seconds)
         return sampled
+
+    def _guessed(self, work: SeqWork) -> SeqWork:
+        """A work whose draft model guesses (SeqWork.guess), as a draft to verify."""
+        if not work.guess:
+            return work
+        if self.drafter is None:
+            raise BackendError("a step asked for guesses, and no draft model is loaded")
+        guesses = self.drafter.guess(work.seq, [*work.history, *work.tokens], work.guess)
+        return attrs.evolve(work, tokens=work.tokens + guesses, drafted=len(guesses),
+                            guess=0, history=())
 
     def decode(self, works: list[SeqWork], *, outputs: int, ours: bool = True
                ) -> list[StepResult]:

@@ -59,6 +59,8 @@ class MlxBackend:
         self.draft_rows = 0
         # (mlx-lm's caches can be trimmed; verifying drafts in its batched decode is unbuilt)
         self.speculation_off: str | None = "speculative decoding runs on llama.cpp only"
+        self.guesses = False
+        self.guess_seconds = 0.0
         self.caches = SessionCaches(self.model)
         self.grammars = LlguidanceGrammars(self.model)
         self.samplers = Samplers(self.model, self.grammars)
