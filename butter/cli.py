@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "the cache (same seed, same output). By default llama.cpp repacks "
                             "the weights it has interleaved kernels for (on x86: Q4_0, Q4_K, "
                             "IQ4_NL), whose results depend slightly on a row's place in the "
-                            "batch: faster decode, slower prefill (benchmarks/RESULTS.md) "
-                            "(default: off)")
+                            "batch: faster decode, slower prefill (benchmarks/RESULTS.md). "
+                            "It also computes a lone decode row as a row of a bigger step, so "
+                            "speculative decoding changes no bit of an output at any context "
+                            "length (default: off)")
     serve.add_argument("--stream-flush-ms", type=float,
                        default=defaults.DEFAULT_STREAM_FLUSH_SECONDS * 1000,
                        help="after the first token, write stream chunks at most this often; "

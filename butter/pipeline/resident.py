@@ -77,7 +77,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         kv_type=kv_type, step_shaping=settings.step_shaping, fast_lm_head=settings.fast_lm_head,
         repack=not settings.deterministic, fast_layers=settings.fast_layers,
         draft_model=Path(settings.draft_model) if settings.draft_model else None,
-        draft_required=is_boot_model,
+        draft_required=is_boot_model, exact_decode=settings.deterministic,
     )
 
 

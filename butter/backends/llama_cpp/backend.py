@@ -55,6 +55,7 @@ class LlamaCppBackend:
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
         fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
         cache_seqs: int = 0, draft_model: Path | None = None, draft_required: bool = True,
+        exact_decode: bool = False,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
         `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes.
@@ -65,6 +66,9 @@ class LlamaCppBackend:
         but a row's result then depends on its place in the batch: docs/architecture.md).
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
+        `exact_decode`: a one-row step gets a scratch row, so that every decode row is
+        computed as a row of a bigger step is (stepping.ONE_ROW_SCRATCH; slower where
+        llama.cpp's lone-row attention or its repacked kernels are faster).
         `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
         decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
         `draft_required`, else stays unloaded, and `draft_model_off` says why."""
@@ -100,7 +104,7 @@ class LlamaCppBackend:
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
         self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
-                               pad_one_row=cpu, drafter=self.drafter)
+                               pad_one_row=cpu and exact_decode, drafter=self.drafter)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:

@@ -27,10 +27,11 @@ SampleRow = tuple[int, int, int]
 # first, every row is computed as it would be alone.
 EXACT_BATCH_ROWS = 8
 # Its CPU flash attention computes a step of one query row another way (split over the
-# cache's cells, from 512 of them on) than the rows of a bigger step (each row over all the
-# cells), and the two round differently; a one-row step gets a scratch row beside it, so
-# that a decode row is computed the same alone or not, and a draft's rows as the one-row
-# steps they stand for.
+# cache's cells, from 512 of them on) than the rows of a bigger step (each row over all its
+# cells), and the two round differently. Where exactness is asked for, a one-row step gets
+# a scratch row beside it, so that a decode row is computed the same alone or not (and a
+# draft's rows as the one-row steps they stand for); it costs a pass of the repacked
+# kernels and the split's speed (docs/architecture.md, "Numerics and determinism").
 ONE_ROW_SCRATCH = 1
 # Its repacked kernels (Q4_0, Q4_K, IQ4_NL) multiply a batch's rows four at a time and the
 # rest one by one, so only batches of up to this many rows compute each row as alone.
@@ -78,7 +79,7 @@ class Stepper:
     """Evaluates the works of a step and samples them (on the backend's thread)."""
 
     def __init__(self, model: LlamaModel, samplers: Samplers, shaper: StepShaper, *,
-                 separate_prompts: bool = True, pad_one_row: bool = True,
+                 separate_prompts: bool = True, pad_one_row: bool = False,
                  drafter: DraftModel | None = None) -> None:
         self._model = model
         self._samplers = samplers
