@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +181,12 @@ def server_argv(server: Server, args: argparse.Namespace, workload: Workload, cl
             *server.flags]
 
 
+def served_model(base: str) -> str:
+    """The id the server lists first (butter's alias or path; llama-server's file)."""
+    models: dict[str, Any] = httpx.get(f"{base}/v1/models", timeout=10).json()
+    return str(models["data"][0]["id"])
+
+
 def butter_speculation(base: str) -> dict[str, Any] | None:
     try:
         info: dict[str, Any] = httpx.get(f"{base}/v1/server", timeout=10).json()
@@ -198,7 +204,7 @@ def measure(server: Server, workload: Workload, clients: int, args: argparse.Nam
     log = logs / f"{workload.name}-{server.label.replace(' ', '_')}-c{clients}.log"
     with running_server_spec(argv, log) as process:
         wait_ready(process, base, "/health", 300)
-        model = workload.model if server.kind == "butter" else "default"
+        model = served_model(base)
         run_level(base, workload, clients, model)  # warm-up (and the prompts cached)
         rounds = [run_level(base, workload, clients, model) for _ in range(args.rounds)]
         speculation = butter_speculation(base) if server.kind == "butter" else None
@@ -271,6 +277,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--clients", default="1,2,4,8")
     parser.add_argument("--servers", default=",".join(s.label for s in SERVERS),
                         help="labels, comma-separated")
+    parser.add_argument("--copy-model", help="a GGUF for the copy workload instead of the demo "
+                        "(e.g. a benchmarks/model_matrix.py file)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
@@ -287,6 +295,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
+        if name == "copy" and args.copy_model:
+            workload = replace(workload, model=args.copy_model)
         for clients in (int(c) for c in args.clients.split(",")):
             for server in servers:
                 try:

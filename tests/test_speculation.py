@@ -93,6 +93,13 @@ async def generate(backend: Backend, prompt: Sequence[int], params: Sequence[Sam
             for index, generation in enumerate(generations)]
 
 
+def drafting_engine(backend: Backend) -> Engine:
+    """A fresh speculating engine over an empty cache, for a test to run itself."""
+    backend.step([RemoveTokens(seq, -1, -1) for seq in range(backend.n_seq)], [])
+    return Engine(backend, parallel=2, max_context=2048, prefill_chunk=256, max_queue=4,
+                  draft_max=8)
+
+
 def chat(resident: ResidentModel, text: str) -> list[int]:
     return resident.tokenize_prompt(
         f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
@@ -234,9 +241,7 @@ async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
     assert isinstance(backend, LlamaCppBackend)
     prompt = chat(instruct, PROMPTS["copy"])
     (plain,) = await generate(backend, prompt, [GREEDY], 200, draft_max=0)
-    backend.step([RemoveTokens(seq, -1, -1) for seq in range(backend.n_seq)], [])
-    engine = Engine(backend, parallel=2, max_context=2048, prefill_chunk=256, max_queue=4,
-                    draft_max=8)
+    engine = drafting_engine(backend)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.run)
         async with engine.generate(prompt, GREEDY, 200) as generation:
@@ -433,9 +438,7 @@ async def test_tokens_generated_past_a_stop_string_leave_the_cache(
     backend = instruct.backend
     assert isinstance(backend, LlamaCppBackend)
     prompt = chat(instruct, PROMPTS["copy"])
-    backend.step([RemoveTokens(seq, -1, -1) for seq in range(backend.n_seq)], [])
-    engine = Engine(backend, parallel=2, max_context=2048, prefill_chunk=256, max_queue=4,
-                    draft_max=8)
+    engine = drafting_engine(backend)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.run)
         async with engine.generate(prompt, GREEDY, 200) as generation:

@@ -18,6 +18,7 @@ import llama_cpp as ll
 import numpy as np
 
 from butter.backends.base import BackendError
+from butter.backends.llama_cpp.loading import free_native
 from butter.errors import ModelLoadError
 
 log = logging.getLogger("butter")
@@ -41,8 +42,8 @@ class DraftModel:
         token (ModelLoadError otherwise)."""
         self.path = path
         params = ll.llama_model_default_params()
-        self.model = ll.llama_model_load_from_file(str(path).encode(), params)
-        if not self.model:
+        self.model = ll.llama_model_load_from_file(str(path).encode(), params) or None
+        if self.model is None:
             raise ModelLoadError(f"llama.cpp could not load the draft model {path}")
         self.ctx: Any = None
         self.batch: Any = None
@@ -124,15 +125,7 @@ class DraftModel:
             ll.llama_memory_seq_rm(self.mem, seq, -1, -1)
 
     def free(self) -> None:
-        if self.batch is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            ll.llama_free(self.ctx)
-            self.ctx = None
-        if self.model:
-            ll.llama_model_free(self.model)
-            self.model = None
+        free_native(self)
 
 
 def _vocabulary_differs(draft: Any, target: Any) -> str | None:

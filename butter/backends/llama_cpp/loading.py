@@ -297,15 +297,21 @@ class LlamaModel:
     # ------------------------------------------------------------------ teardown
 
     def free(self) -> None:
-        if self.batch is not None:
-            ll.llama_batch_free(self.batch)
-            self.batch = None
-        if self.ctx is not None:
-            ll.llama_free(self.ctx)
-            self.ctx = None
-        if self.model is not None:
-            ll.llama_model_free(self.model)
-            self.model = None
+        free_native(self)
+
+
+def free_native(owner: Any) -> None:
+    """Free the llama.cpp batch, context and model `owner` holds (each once, in that
+    order), leaving None in their place."""
+    if owner.batch is not None:
+        ll.llama_batch_free(owner.batch)
+        owner.batch = None
+    if owner.ctx is not None:
+        ll.llama_free(owner.ctx)
+        owner.ctx = None
+    if owner.model is not None:
+        ll.llama_model_free(owner.model)
+        owner.model = None
 
 
 def relative_rms_error(ours: Any, theirs: Any) -> float:
