@@ -530,7 +530,8 @@ class Engine:
             self.step_started = None
         seconds = time.perf_counter() - started
         self._observe_step(seconds)
-        self._decode_rows += sum(1 for w in works if not w.prompt)
+        # (a draft's rows walk the pool as any decode row does)
+        self._decode_rows += sum(len(w.tokens) + w.guess for w in works if not w.prompt)
         if self.speculation_off is None and works and not any(w.prompt for w in works):
             self._observe_costs(works, seconds, self.backend.guess_seconds - guessing)
         if self.prefill_budget.adapts:  # (off by default: no counting on every step)
