@@ -9,7 +9,9 @@ Workloads (greedy, streamed, c clients at once, each with its own text):
   headline workload).
 - ``edit``: the instruct model (SmolLM2-135M-Instruct, /v1/chat/completions) rewrites the
   same kind of file with every function renamed: it paraphrases rather than copies.
-- ``chat``: the instruct model answers an ordinary question (nothing to copy).
+- ``chat``: the instruct model answers an ordinary question (little to copy).
+- ``story``: the instruct model writes a short story on a subject of each client's own
+  (nothing to copy).
 
 Each server runs alone, one at a time, at its defaults except what makes the runs
 comparable: the same threads, slots = clients (llama-server ``-np c``, butter
@@ -82,6 +84,12 @@ class Workload:
             old = code.split("_")[0].split()[-1]
             text = (f"Rewrite this Python file with every function named {old}_N renamed "
                     f"to step_N, and nothing else changed:\n\n{code}")
+        elif self.name == "story":
+            subjects = ("a lighthouse keeper", "a retired astronaut", "a baker on Mars",
+                        "a clockmaker's cat", "a shy dragon", "a river pilot",
+                        "a night-shift nurse", "a chess-playing robot")
+            text = (f"Write a short original story about {subjects[variant % 8]}, "
+                    "with a twist at the end.")
         else:
             text = ("Explain to a curious twelve-year-old how a bicycle stays upright, "
                     f"and why riding it gets easier with speed. (Question {variant}.)")
@@ -92,6 +100,8 @@ WORKLOADS = {
     "copy": Workload("copy", "gemma-3-270m", "completions", 300),
     "edit": Workload("edit", "smollm2-135m", "chat/completions", 300),
     "chat": Workload("chat", "smollm2-135m", "chat/completions", 200),
+    # Nothing to copy: new text on a subject of the client's own.
+    "story": Workload("story", "smollm2-135m", "chat/completions", 200),
 }
 
 
