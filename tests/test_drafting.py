@@ -127,3 +127,17 @@ def test_an_unmeasured_step_size_is_guessed_a_little_dearer_than_the_nearest_mea
     assert costs.cost(1) < 0.010  # below the only measured size
     costs.observe(2, 0.020)  # smoothed, not replaced
     assert 0.010 < costs.cost(2) < 0.020
+
+
+@given(st.lists(st.integers(0, 2), max_size=200), st.lists(st.integers(0, 2), max_size=200),
+       st.integers(0, 200))
+def test_the_draft_caches_kept_prefix_is_the_common_prefix(
+    head: list[int], tail: list[int], shared: int
+) -> None:
+    from butter.backends.llama_cpp.drafter import kept_prefix
+
+    seen = head[:shared] + tail
+    history = head
+    expected = next((i for i, (a, b) in enumerate(zip(seen, history, strict=False)) if a != b),
+                    min(len(seen), len(history)))
+    assert kept_prefix(seen, history) == expected

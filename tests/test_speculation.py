@@ -407,9 +407,10 @@ def test_tool_call_markup_inside_a_draft_is_parsed_as_without() -> None:
             "required": ["path", "content"]}}}
     ask = [{"role": "user", "content": f"Save this code to scale.py:\n\n{CODE}"}]
     for choice in ("required", "auto"):
-        drafted, plain, _ = served_both(
+        drafted, plain, speculation = served_both(
             {"messages": ask, "tools": [tool], "tool_choice": choice, "max_tokens": 400})
         assert drafted == plain, choice
+        assert speculation["drafted_tokens"] > 0, choice  # (drafts were verified in it)
     assert drafted["finish_reason"] in ("tool_calls", "stop", "length")
 
 

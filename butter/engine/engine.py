@@ -601,8 +601,8 @@ class Engine:
         step of decodes alone (a prompt chunk leaves it no spare width), and only as many
         rows as pay for themselves (drafting.draft_lengths)."""
         if self.speculation_off is not None or not pending or \
-                any(not p.decoding for p in pending):
-            return pending
+                len(pending) >= self.draft_rows or any(not p.decoding for p in pending):
+            return pending  # (no spare width: not even a probe fits)
         sessions = [self._sessions[p.seq] for p in pending]
         offers = [self._offer(session) for session in sessions]
         if not any(offer.proposal for offer, _ in offers):

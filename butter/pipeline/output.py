@@ -20,6 +20,7 @@ class OutputAssembler:
     def __init__(self, prepared: PreparedGeneration, *, call_id_prefix: str = "call_") -> None:
         self._detokenizer = IncrementalDetokenizer()
         self._stops = StopMatcher(prepared.request.stop)
+        self.can_stop = bool(prepared.request.stop)  # the request names stop strings
         # Markup (think blocks, tool calls) belongs to a chat turn; a raw prompt's
         # completion is text as it came.
         self._parses_markup = isinstance(prepared.request.prompt, ChatPrompt)

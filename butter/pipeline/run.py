@@ -104,6 +104,8 @@ async def generated_events(
 def _feed_until_stop(assembler: OutputAssembler, pieces: list[bytes]) -> tuple[list[Event], int]:
     """The events of the pieces up to the one that completes a stop string (all of them if
     none does), and how many pieces that took."""
+    if not assembler.can_stop:  # (the common case: the batch at once)
+        return assembler.feed(pieces), len(pieces)
     events: list[Event] = []
     for used, piece in enumerate(pieces, start=1):
         events += assembler.feed([piece])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +26,28 @@ log = logging.getLogger("butter")
 DRAFT_BATCH = 256
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
+# How far back from the end the draft cache is compared token by token; before that, one
+# slice comparison (C speed) does: what differs is nearly always the last guesses.
+TAIL_COMPARED = 64
+
+
+def kept_prefix(seen: list[int], history: list[int]) -> int:
+    """How many leading tokens of the draft cache (`seen`) the sequence still has: the
+    earlier ones compared as one slice (every step passes here, with the whole history),
+    the last TAIL_COMPARED one by one."""
+    n = min(len(seen), len(history))
+    start = max(0, n - TAIL_COMPARED)
+    if seen[:start] != history[:start]:  # (rare: the sequence was replaced)
+        low, high = 0, start  # the longest equal prefix lies in [low, high)
+        while low < high:
+            middle = (low + high + 1) // 2
+            if seen[:middle] == history[:middle]:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+    for i in range(start, n):
+        if seen[i] != history[i]:
             return i
     return n
 
@@ -78,11 +95,11 @@ class DraftModel:
         self.guessed = 0
         self.seconds = 0.0  # spent guessing (catching up included), since the load
 
-    def guess(self, seq: int, history: Sequence[int], count: int) -> tuple[int, ...]:
+    def guess(self, seq: int, history: list[int], count: int) -> tuple[int, ...]:
         """`count` greedy guesses at what follows `history` (the sequence's tokens)."""
         started = time.perf_counter()
         seen = self._seen.setdefault(seq, [])
-        keep = common_prefix_length(seen, history)
+        keep = kept_prefix(seen, history)
         keep = min(keep, len(history) - 1)  # (the last token is evaluated for its logits)
         if keep < len(seen):
             ll.llama_memory_seq_rm(self.mem, seq, keep, -1)
