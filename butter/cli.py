@@ -18,7 +18,7 @@ from butter.models import ModelCatalog, resolve_model
 from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
 from butter.server.access import ANY, ApiKeys, is_loopback_name
-from butter.server.backends import ResidentServeBackend
+from butter.server.holders import SwappableModel
 from butter.server.serve import ServeServer
 from butter.settings import ServeSettings
 
@@ -289,15 +289,15 @@ async def serve_command(settings: ServeSettings) -> None:
             return await LoadedModel.from_settings(settings)
         return await LoadedModel.from_settings(settings, model_id, catalog.resolve(model_id))
 
-    backend = ResidentServeBackend(
+    holder = SwappableModel(
         loader=load, initial=model, initial_model_id=settings.model,
         allow_swap=settings.allow_swap, catalog=catalog,
     )
-    # The backend owns it now. This frame lives as long as the server: a reference here
+    # The holder owns it now. This frame lives as long as the server: a reference here
     # kept the boot model's buffers (its packed projection) alive after every swap.
     del model
     server = ServeServer(
-        host=settings.host, port=settings.port, backend=backend,
+        host=settings.host, port=settings.port, holder=holder,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         stream_flush=settings.stream_flush, max_messages=settings.max_messages,
         api_keys=keys, body_timeout=settings.body_timeout,
@@ -312,14 +312,14 @@ async def serve_command(settings: ServeSettings) -> None:
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             # The model's lines are taken before the server listens: a request could swap
             # the model before this task runs again.
-            model_lines = _model_lines(backend.current)
+            model_lines = _model_lines(holder.current)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
             _print_banner([*model_lines, *(f"  WARNING: {line}" for line in warnings)],
                           host, port, server.routes(), ui=settings.ui)
         log.info("butter stopped")
     finally:
         with trio.CancelScope(shield=True):
-            await backend.aclose()
+            await holder.aclose()
 
 
 async def _serve_then_stop_helpers(

@@ -27,7 +27,7 @@ import attrs
 import trio
 
 from butter.errors import Draining
-from butter.server.backends import ServeBackend
+from butter.server.holders import ModelHolder
 from butter.settings import ENGINE_STALL_SECONDS, RETRY_AFTER_SECONDS
 
 LIVE_PATH = "/health"
@@ -54,9 +54,9 @@ class ReadyState:
 class Readiness:
     """What `/ready` answers, the drain flag, and the count of requests in flight."""
 
-    def __init__(self, backend: ServeBackend, *,
+    def __init__(self, holder: ModelHolder, *,
                  stall_after: float = ENGINE_STALL_SECONDS) -> None:
-        self._backend = backend
+        self._holder = holder
         self._stall_after = stall_after
         self.draining = False
         self._in_flight = 0
@@ -71,9 +71,9 @@ class Readiness:
         on: it is going away, it is changing models, it has none, its engine is broken."""
         if self.draining:
             return ReadyState(False, "draining", "the server is shutting down")
-        if self._backend.swapping:
+        if self._holder.swapping:
             return ReadyState(False, "swapping", "a model swap is under way")
-        resident = self._backend.resident
+        resident = self._holder.resident
         if resident is None:  # between a swap's unload and load, or after a failed one
             return ReadyState(False, "no_model", "no model is loaded")
         engine = resident.engine
@@ -86,7 +86,7 @@ class Readiness:
         return ReadyState(True, "ready", "serving")
 
     def _model_id(self) -> str | None:
-        resident = self._backend.resident
+        resident = self._holder.resident
         return None if resident is None else resident.model_id
 
     def start_draining(self) -> None:
@@ -132,9 +132,9 @@ class CountInFlight:
             await self.app(scope, receive, send)
 
 
-def current_load(backend: ServeBackend) -> int:
+def current_load(holder: ModelHolder) -> int:
     """Requests running or waiting for admission (0 between a swap's unload and load)."""
-    resident = backend.resident
+    resident = holder.resident
     if resident is None:
         return 0
     stats = resident.engine.stats()

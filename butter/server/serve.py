@@ -1,6 +1,6 @@
-"""ServeServer: a ServeBackend's model over HTTP, on hypercorn's trio worker.
+"""ServeServer: a ModelHolder's model over HTTP, on hypercorn's trio worker.
 
-    server = ServeServer(host="127.0.0.1", port=0, backend=backend)
+    server = ServeServer(host="127.0.0.1", port=0, holder=FixedModel(model=model))
     host, port = await nursery.start(server.serve)   # or: await server.run_forever()
 
 Cancelling the scope stops it; `request_shutdown()` stops accepting and gives active
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,8 +23,8 @@ from hypercorn.config import Config
 
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.app import HttpLimits, create_app
-from butter.server.backends import ServeBackend
 from butter.server.connections import ConnectionCollector, Connections, serve_hypercorn
+from butter.server.holders import ModelHolder
 from butter.server.readiness import CountInFlight, Readiness
 from butter.settings import (
     DEFAULT_BODY_TIMEOUT_SECONDS,
@@ -66,9 +67,19 @@ class ShieldResponseEnd:
         await self.app(scope, receive, send_with_shielded_end)
 
 
+def _holder(holder: ModelHolder | None, backend: ModelHolder | None) -> ModelHolder:
+    if backend is not None:
+        warnings.warn("ServeServer(backend=...) is now ServeServer(holder=...)",
+                      DeprecationWarning, stacklevel=3)
+        holder = holder or backend
+    if holder is None:
+        raise TypeError("ServeServer needs holder= (FixedModel or SwappableModel)")
+    return holder
+
+
 class ServeServer:
     def __init__(
-        self, *, host: str, port: int, backend: ServeBackend,
+        self, *, host: str, port: int, holder: ModelHolder | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
@@ -77,11 +88,14 @@ class ServeServer:
         write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
         max_connections: int | None = None, api_keys: ApiKeys | None = None,
         allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
-        ui: bool = True,
+        ui: bool = True, backend: ModelHolder | None = None,
     ) -> None:
-        """`api_key` or `api_keys` (several, reloadable): the keys requests must carry.
+        """`holder`: what serves the model (FixedModel or SwappableModel; `backend` is its
+        deprecated name). `api_key` or `api_keys` (several, reloadable): the keys requests
+        must carry.
         `allowed_hosts`, `cors_origins`: beyond the loopback names and origins that are
         always allowed (butter/server/access.py). `ui`: the chat page at / for browsers."""
+        holder = _holder(holder, backend)
         if api_keys is None:
             api_keys = ApiKeys([api_key] if api_key else [])
         self.api_keys = api_keys
@@ -92,16 +106,16 @@ class ServeServer:
                                  access=self.access, body_timeout=body_timeout, ui=ui)
         self.host = host
         self.port = port
-        self.backend = backend
+        self.holder = holder
         self.shutdown_grace = shutdown_grace
         self.shutdown_requested = trio.Event()  # hypercorn stops accepting
         self.shutdown_started = trio.Event()  # a drain or a shutdown began
-        self.readiness = Readiness(backend)
+        self.readiness = Readiness(holder)
         self._http_config: Config | None = None
         self.connections = Connections(
             max_connections=max_connections or default_max_connections(),
             write_timeout=write_timeout)
-        self.app = create_app(self.backend, self.limits,
+        self.app = create_app(self.holder, self.limits,
                               collectors=[ConnectionCollector(self.connections)],
                               readiness=self.readiness)
 
@@ -156,7 +170,7 @@ class ServeServer:
         Works with `nursery.start`: reports the bound (host, port); port 0 picks one.
         """
         app = ShieldResponseEnd(CountInFlight(self.app, self.readiness))  # type: ignore[arg-type]
-        await self.backend.start()  # the model is loaded before any traffic
+        await self.holder.start()  # the model is loaded before any traffic
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(self._serve_http, app)
             host, _, port = binds[0].removeprefix("http://").rpartition(":")
