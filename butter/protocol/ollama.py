@@ -10,12 +10,14 @@ answers are NDJSON lines, errors `{"error": "..."}`. What Ollama does and butter
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import attrs
 
 from butter.chat import grammar as grammars
+from butter.chat.markup import ToolCall
 from butter.chat.request import ChatPrompt, GenerationRequest, Prompt, TextPrompt
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
@@ -29,14 +31,17 @@ THINK_LEVELS = ("low", "medium", "high")
 
 
 @attrs.frozen
-class FunctionCall:
+class CalledFunction:
     name: str
     arguments: dict[str, Any] | str = attrs.field(factory=dict)
 
 
 @attrs.frozen
-class ToolCall:
-    function: FunctionCall
+class AssistantToolCall:
+    """A tool call in a request's assistant message, as Ollama's wire spells it (the
+    model's own calls are butter.chat.markup.ToolCall)."""
+
+    function: CalledFunction
     id: str | None = None
 
 
@@ -46,7 +51,7 @@ class Message:
     content: str | None = None
     thinking: str | None = None
     images: list[Any] | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_name: str | None = None
     tool_call_id: str | None = None
 
@@ -199,7 +204,7 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return rendered
 
 
-def _arguments(function: FunctionCall) -> Any:
+def _arguments(function: CalledFunction) -> Any:
     if isinstance(function.arguments, str):
         try:
             return json.loads(function.arguments)
@@ -317,16 +322,15 @@ def done_reason(finish: str) -> str:
 
 
 def chat_message(content: str, thinking: str = "",
-                 tool_calls: tuple[tuple[str, str, str], ...] = ()) -> dict[str, Any]:
-    """`tool_calls`: (id, name, arguments as JSON text)."""
+                 tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if thinking:
         message["thinking"] = thinking
     if tool_calls:
         message["tool_calls"] = [
-            {"id": call_id, "function": {"index": index, "name": name,
-                                          "arguments": json.loads(arguments)}}
-            for index, (call_id, name, arguments) in enumerate(tool_calls)]
+            {"id": call.id, "function": {"index": call.index, "name": call.name,
+                                          "arguments": json.loads(call.arguments)}}
+            for call in tool_calls]
     return message
 
 

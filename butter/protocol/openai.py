@@ -37,14 +37,17 @@ class ContentPart:
 
 
 @attrs.frozen
-class FunctionCall:
+class CalledFunction:
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
 @attrs.frozen
-class ToolCall:
-    function: FunctionCall
+class AssistantToolCall:
+    """A tool call in a request's assistant message, as OpenAI's wire spells it (the
+    model's own calls are butter.chat.markup.ToolCall)."""
+
+    function: CalledFunction
     id: str | None = None
     type: str = "function"
 
@@ -54,7 +57,7 @@ class ChatMessage:
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
     reasoning: str | None = None
@@ -329,7 +332,7 @@ def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     return rendered
 
 
-def _template_tool_call(call: ToolCall) -> dict[str, Any]:
+def _template_tool_call(call: AssistantToolCall) -> dict[str, Any]:
     arguments: Any = call.function.arguments
     if isinstance(arguments, str):
         try:

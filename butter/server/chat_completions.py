@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import trio
@@ -30,7 +30,7 @@ from butter.pipeline.run import (
 )
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
-from butter.server.coalesce import FrameCoalescer
+from butter.server.streaming import Flush, Frame, encoded
 
 
 def new_completion_id() -> str:
@@ -104,72 +104,79 @@ def _since(start: float) -> int:
     return int((time.perf_counter() - start) * 1000)
 
 
-async def stream(
-    resident: ResidentModel, prepared: PreparedGeneration, *, include_usage: bool,
-    flush_interval: float = 0.0, observer: RequestObserver | None = None,
-    return_progress: bool = False,
-) -> AsyncIterator[bytes]:
-    frames = FrameCoalescer(flush_interval)
-    completion_id, created = new_completion_id(), openai.now()
-    reported = -1  # the last progress sent (processed positions)
+class _Chunks:
+    """One stream's chunks: its id and creation time, and the prompt progress it sent."""
 
-    def progress(generation: Generation, *, final: bool = False) -> bytes:
-        nonlocal reported
-        processed, elapsed = _prompt_progress(generation)
-        if final:
-            processed = generation.prompt_tokens
-        if processed == reported:
-            return b""
-        reported = processed
-        return data_event(openai.progress_chunk_body(
-            completion_id=completion_id, model=resident.model_id, created=created,
-            total=generation.prompt_tokens, cache=generation.cached_tokens,
-            processed=processed, time_ms=elapsed))
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.completion_id, self.created = new_completion_id(), openai.now()
+        self._reported = -1  # the last progress sent (processed positions)
 
-    def chunk(delta: dict[str, Any], index: int, reason: FinishReason | None = None,
+    def chunk(self, delta: dict[str, Any], index: int, reason: FinishReason | None = None,
               logprobs: LogprobsDelta | None = None,
               generation: Generation | None = None) -> bytes:
         return data_event(openai.chunk_body(
-            completion_id=completion_id, model=resident.model_id, created=created,
+            completion_id=self.completion_id, model=self.model_id, created=self.created,
             delta=delta, finish_reason=reason, index=index,
             logprobs=None if logprobs is None else list(logprobs.entries),
             timings=None if generation is None else timings(generation),
         ))
 
-    try:
-        async with running_choices(resident, prepared, observer) as generations:
-            for index, generation in enumerate(generations):
-                yield chunk({"role": "assistant", "content": ""}, index)
-                assembler = OutputAssembler(prepared)
-                polling = return_progress and index == 0  # the prompt is evaluated once
-                async for event in generated_events(
-                        generation, assembler, observer=observer,
-                        heartbeat=PROGRESS_POLL_SECONDS if polling else None):
-                    if event is None:  # (only while polling: no output yet)
-                        if update := progress(generation):
-                            yield update
-                        continue
-                    if polling:
-                        polling = False
-                        if update := progress(generation, final=True):
-                            yield update
-                    frame = (chunk({}, index, logprobs=event)
-                             if isinstance(event, LogprobsDelta)
-                             else b"".join(chunk(delta, index) for delta in _deltas(event)))
-                    ready = frames.add(frame)
-                    if ready:
-                        yield ready
-                ready = frames.add(chunk({}, index, finish_reason(generation, assembler),
-                                         generation=generation))
-                if ready:
-                    yield ready
-    except ButterError as exc:  # after the headers went out: end cleanly, then say why
-        yield frames.take() + chunk({}, 0, "stop") + data_event(exc.openai_body()) + DONE
-        return
-    tail = frames.take()
-    if include_usage:
-        tail += data_event(openai.usage_chunk_body(
-            completion_id=completion_id, model=resident.model_id, created=created,
-            usage=usage(*generations),
-        ))
-    yield tail + DONE
+    def progress(self, generation: Generation, *, final: bool = False) -> bytes:
+        """The prompt's progress, if it moved since the last report."""
+        processed, elapsed = _prompt_progress(generation)
+        if final:
+            processed = generation.prompt_tokens
+        if processed == self._reported:
+            return b""
+        self._reported = processed
+        return data_event(openai.progress_chunk_body(
+            completion_id=self.completion_id, model=self.model_id, created=self.created,
+            total=generation.prompt_tokens, cache=generation.cached_tokens,
+            processed=processed, time_ms=elapsed))
+
+    def usage(self, generations: list[Generation]) -> bytes:
+        return data_event(openai.usage_chunk_body(
+            completion_id=self.completion_id, model=self.model_id, created=self.created,
+            usage=usage(*generations)))
+
+    def failed(self, error: ButterError) -> bytes:
+        return self.chunk({}, 0, "stop") + data_event(error.openai_body()) + DONE
+
+
+def stream(
+    resident: ResidentModel, prepared: PreparedGeneration, *, include_usage: bool,
+    flush_interval: float = 0.0, observer: RequestObserver | None = None,
+    return_progress: bool = False,
+) -> AsyncIterator[bytes]:
+    chunks = _Chunks(resident.model_id)
+    frames = _frames(resident, prepared, chunks, include_usage=include_usage,
+                     observer=observer, return_progress=return_progress)
+    return encoded(frames, flush_interval=flush_interval, failed=chunks.failed)
+
+
+async def _frames(
+    resident: ResidentModel, prepared: PreparedGeneration, chunks: _Chunks, *,
+    include_usage: bool, observer: RequestObserver | None, return_progress: bool,
+) -> AsyncGenerator[Frame, None]:
+    async with running_choices(resident, prepared, observer) as generations:
+        for index, generation in enumerate(generations):
+            yield Flush(chunks.chunk({"role": "assistant", "content": ""}, index))
+            assembler = OutputAssembler(prepared)
+            polling = return_progress and index == 0  # the prompt is evaluated once
+            async for event in generated_events(
+                    generation, assembler, observer=observer,
+                    heartbeat=PROGRESS_POLL_SECONDS if polling else None):
+                if event is None:  # (only while polling: no output yet)
+                    yield Flush(chunks.progress(generation))
+                    continue
+                if polling:
+                    polling = False
+                    yield Flush(chunks.progress(generation, final=True))
+                if isinstance(event, LogprobsDelta):
+                    yield chunks.chunk({}, index, logprobs=event)
+                else:
+                    yield b"".join(chunks.chunk(delta, index) for delta in _deltas(event))
+            yield chunks.chunk({}, index, finish_reason(generation, assembler),
+                               generation=generation)
+    yield (chunks.usage(generations) if include_usage else b"") + DONE

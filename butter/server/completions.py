@@ -6,7 +6,8 @@ Streams send each choice's chunks in turn (clients reassemble by `index`)."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import trio
@@ -28,7 +29,7 @@ from butter.pipeline.run import (
 from butter.protocol import completions as wire
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
-from butter.server.coalesce import FrameCoalescer
+from butter.server.streaming import Flush, Frame, encoded
 
 
 def new_completion_id() -> str:
@@ -105,72 +106,93 @@ def _total(usages: list[Usage]) -> Usage:
                  sum(u.cached_tokens for u in usages))
 
 
-async def stream(
+class _Chunks:
+    """One stream's chunks: its id and creation time."""
+
+    def __init__(self, model_id: str) -> None:
+        self.model_id = model_id
+        self.completion_id, self.created = new_completion_id(), openai.now()
+
+    def chunk(self, index: int, text: str, reason: Any = None,
+              logprobs: dict[str, Any] | None = None) -> bytes:
+        return data_event(wire.completion_body(
+            completion_id=self.completion_id, model=self.model_id, created=self.created,
+            choices=[wire.choice_body(index, text, reason, logprobs)], usage=None))
+
+    def usage(self, usages: list[Usage]) -> bytes:
+        return data_event(wire.completion_body(
+            completion_id=self.completion_id, model=self.model_id, created=self.created,
+            choices=[], usage=_total(usages)))
+
+    def failed(self, error: ButterError) -> bytes:
+        return data_event(error.openai_body()) + DONE
+
+
+def stream(
     resident: ResidentModel, prepared: list[PreparedGeneration], *, echo: bool,
     include_usage: bool, flush_interval: float = 0.0,
     observer: RequestObserver | None = None,
 ) -> AsyncIterator[bytes]:
-    frames = FrameCoalescer(flush_interval)
-    completion_id, created = new_completion_id(), openai.now()
+    chunks = _Chunks(resident.model_id)
+    frames = _frames(resident, prepared, chunks, echo=echo, include_usage=include_usage,
+                     observer=observer)
+    return encoded(frames, flush_interval=flush_interval, failed=chunks.failed)
+
+
+async def _frames(
+    resident: ResidentModel, prepared: list[PreparedGeneration], chunks: _Chunks, *,
+    echo: bool, include_usage: bool, observer: RequestObserver | None,
+) -> AsyncGenerator[Frame, None]:
     usages: list[Usage] = []
-
-    def chunk(index: int, text: str, reason: Any = None,
-              logprobs: dict[str, Any] | None = None) -> bytes:
-        return data_event(wire.completion_body(
-            completion_id=completion_id, model=resident.model_id, created=created,
-            choices=[wire.choice_body(index, text, reason, logprobs)], usage=None))
-
-    try:
-        for prompt_index, one in enumerate(prepared):
-            first = prompt_index * one.request.n
-            if one.max_tokens == 0 and one.request.score_prompt is None:
-                yield chunk(first, _echo(one, echo), "length")
-                usages.append(Usage(len(one.prompt), 0, 0))
-                continue
-            async with running_choices(resident, one, observer) as generations:
-                for offset, generation in enumerate(generations):
-                    index, written = first + offset, len(_echo(one, echo))
-                    logged = written  # where the tokens of the next logprobs begin
-                    echoed = not echo
-                    assembler = OutputAssembler(one)
-                    async for event in generated_events(generation, assembler,
-                                                        observer=observer):
-                        if not echoed:  # (the prompt's scores are known from here on)
-                            echoed = True
-                            yield _echo_chunk(chunk, index, one, generations[0])
-                        if isinstance(event, LogprobsDelta):
-                            body = wire.logprobs_body(list(event.entries), logged)
-                            frame, logged = chunk(index, "", logprobs=body), written
-                        elif isinstance(event, ContentDelta):
-                            frame, written = chunk(index, event.text), written + len(event.text)
-                        else:
-                            continue  # a heartbeat
-                        ready = frames.add(frame)
-                        if ready:
-                            yield ready
-                    if not echoed:
-                        frames.add(_echo_chunk(chunk, index, one, generations[0]))
-                    ready = frames.add(chunk(index, "", finish_reason(generation, assembler)))
-                    if ready:
-                        yield ready
-            usages.append(usage(*generations))
-    except ButterError as exc:  # after the headers went out: end cleanly, then say why
-        yield frames.take() + data_event(exc.openai_body()) + DONE
-        return
-    tail = frames.take()
-    if include_usage:
-        tail += data_event(wire.completion_body(
-            completion_id=completion_id, model=resident.model_id, created=created,
-            choices=[], usage=_total(usages)))
-    yield tail + DONE
+    for prompt_index, one in enumerate(prepared):
+        first = prompt_index * one.request.n
+        if one.max_tokens == 0 and one.request.score_prompt is None:
+            yield Flush(chunks.chunk(first, _echo(one, echo), "length"))
+            usages.append(Usage(len(one.prompt), 0, 0))
+            continue
+        async with running_choices(resident, one, observer) as generations:
+            for offset, generation in enumerate(generations):
+                choice = _choice_frames(one, generation, generations[0], chunks,
+                                        first + offset, echo, observer)
+                async with aclosing(choice):
+                    async for frame in choice:
+                        yield frame
+        usages.append(usage(*generations))
+    yield (chunks.usage(usages) if include_usage else b"") + DONE
 
 
-def _echo_chunk(chunk: Callable[..., bytes], index: int, prepared: PreparedGeneration,
+async def _choice_frames(
+    prepared: PreparedGeneration, generation: Generation, scorer: Generation,
+    chunks: _Chunks, index: int, echo: bool, observer: RequestObserver | None,
+) -> AsyncGenerator[Frame, None]:
+    """One choice's chunks: the echoed prompt (once its scores are known), the text and
+    its logprobs, the finish reason."""
+    written = len(_echo(prepared, echo))
+    logged = written  # where the tokens of the next logprobs begin
+    echoed = not echo
+    assembler = OutputAssembler(prepared)
+    async for event in generated_events(generation, assembler, observer=observer):
+        if not echoed:  # (the prompt's scores are known from here on)
+            echoed = True
+            yield Flush(_echo_chunk(chunks, index, prepared, scorer))
+        if isinstance(event, LogprobsDelta):
+            yield chunks.chunk(index, "", logprobs=wire.logprobs_body(list(event.entries),
+                                                                      logged))
+            logged = written
+        elif isinstance(event, ContentDelta):
+            yield chunks.chunk(index, event.text)
+            written += len(event.text)
+    if not echoed:
+        yield _echo_chunk(chunks, index, prepared, scorer)
+    yield chunks.chunk(index, "", finish_reason(generation, assembler))
+
+
+def _echo_chunk(chunks: _Chunks, index: int, prepared: PreparedGeneration,
                 scorer: Generation) -> bytes:
     """The echoed prompt, with its own logprobs when they were asked for."""
     text = _echo(prepared, True)
     if prepared.request.score_prompt is None:
-        return chunk(index, text)
+        return chunks.chunk(index, text)
     prompt = scorer.prompt_logprobs
-    return chunk(index, text, logprobs=wire.logprobs_body(
+    return chunks.chunk(index, text, logprobs=wire.logprobs_body(
         prompt, 0, first_token=wire.first_token_text(text, prompt)))

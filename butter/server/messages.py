@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from butter.chat.markup import Event, ReasoningDelta, ToolCall
@@ -20,7 +20,7 @@ from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running, usage
 from butter.protocol import anthropic
 from butter.protocol.sse import named_event
-from butter.server.coalesce import FrameCoalescer
+from butter.server.streaming import Flush, Frame, encoded
 
 # While a long prompt is prefilled, a ping keeps proxies and clients from timing out.
 PING_INTERVAL_SECONDS = 1.0
@@ -111,42 +111,43 @@ class _StreamBlocks:
                            {"type": "content_block_delta", "index": self._index, "delta": delta})
 
 
-async def stream(
+def stream(
     resident: ResidentModel, prepared: PreparedGeneration, *, flush_interval: float = 0.0,
     observer: RequestObserver | None = None, show_thinking: bool = True,
 ) -> AsyncIterator[bytes]:
-    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
-    frames = FrameCoalescer(flush_interval)
     blocks = _StreamBlocks(show_thinking)
-    message_id = new_message_id()
-    try:
-        async with running(resident, prepared, observer) as generation:
-            await generation.attached.wait()  # the cached prefix is known from here on
-            start = anthropic.message_body(
-                message_id=message_id, model=resident.model_id, content=[], stop=None,
-                stop_sequence=None, usage=usage(generation),
-            )
-            yield named_event("message_start", {"type": "message_start", "message": start})
-            async for event in generated_events(
-                generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
-            ):
-                if isinstance(event, LogprobsDelta):
-                    continue  # (the Messages API has no logprobs)
-                frame = named_event("ping", {"type": "ping"}) if event is None else b"".join(
-                    blocks.on(event))
-                ready = frames.add(frame)
-                if ready:
-                    yield ready
-        finish = finish_reason(generation, assembler)
-    except ButterError as exc:  # after the headers went out: close blocks, then an error event
-        yield b"".join([frames.take(), *blocks.close(),
-                        named_event("error", exc.anthropic_body())])
-        return
+
+    def failed(error: ButterError) -> bytes:  # close the open block, then an error event
+        return b"".join([*blocks.close(), named_event("error", error.anthropic_body())])
+
+    return encoded(_frames(resident, prepared, blocks, observer),
+                   flush_interval=flush_interval, failed=failed)
+
+
+async def _frames(resident: ResidentModel, prepared: PreparedGeneration,
+                  blocks: _StreamBlocks, observer: RequestObserver | None
+                  ) -> AsyncGenerator[Frame, None]:
+    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
+    async with running(resident, prepared, observer) as generation:
+        await generation.attached.wait()  # the cached prefix is known from here on
+        start = anthropic.message_body(
+            message_id=new_message_id(), model=resident.model_id, content=[], stop=None,
+            stop_sequence=None, usage=usage(generation),
+        )
+        yield Flush(named_event("message_start", {"type": "message_start", "message": start}))
+        async for event in generated_events(
+            generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
+        ):
+            if event is None:
+                yield named_event("ping", {"type": "ping"})
+            elif not isinstance(event, LogprobsDelta):  # (the Messages API has no logprobs)
+                yield b"".join(blocks.on(event))
+    finish = finish_reason(generation, assembler)
     delta = {
         "type": "message_delta",
         "delta": {"stop_reason": anthropic.stop_reason(finish, assembler.matched_stop),
                   "stop_sequence": assembler.matched_stop},
         "usage": anthropic.usage_body(usage(generation)),
     }
-    yield b"".join([frames.take(), *blocks.close(), named_event("message_delta", delta),
+    yield b"".join([*blocks.close(), named_event("message_delta", delta),
                     named_event("message_stop", {"type": "message_stop"})])

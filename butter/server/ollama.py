@@ -4,18 +4,19 @@ body), in Ollama's words (butter/protocol/ollama.py)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 import attrs
 
 from butter.chat.markup import ContentDelta, ReasoningDelta, ToolCall
-from butter.errors import ButterError
 from butter.pipeline.output import OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
 from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running
 from butter.protocol import ollama
+from butter.server.streaming import Frame, encoded
 
 
 @attrs.frozen
@@ -24,7 +25,7 @@ class Piece:
 
     text: str = ""
     thinking: str = ""
-    call: tuple[str, str, str] | None = None  # id, name, arguments (JSON text)
+    call: ToolCall | None = None
 
 
 @attrs.frozen
@@ -34,7 +35,7 @@ class Ending:
 
 
 async def _answer(resident: ResidentModel, prepared: PreparedGeneration,
-                  observer: RequestObserver) -> AsyncIterator[Piece | Ending]:
+                  observer: RequestObserver) -> AsyncGenerator[Piece | Ending, None]:
     async with running(resident, prepared, observer) as generation:
         assembler = OutputAssembler(prepared)
         async for event in generated_events(generation, assembler, observer=observer):
@@ -43,10 +44,10 @@ async def _answer(resident: ResidentModel, prepared: PreparedGeneration,
             elif isinstance(event, ReasoningDelta):
                 yield Piece(thinking=event.text)
             elif isinstance(event, ToolCall):
-                yield Piece(call=(event.id, event.name, event.arguments))
-        reason = ollama.done_reason(finish_reason(generation, assembler))
-        yield Ending(reason, _timings(observer, generation.prompt_tokens,
-                                      generation.completion_tokens))
+                yield Piece(call=event)
+    reason = ollama.done_reason(finish_reason(generation, assembler))
+    yield Ending(reason, _timings(observer, generation.prompt_tokens,
+                                  generation.completion_tokens))
 
 
 def _timings(observer: RequestObserver, prompt_tokens: int, completion_tokens: int
@@ -68,7 +69,7 @@ class Collected:
 
     text: list[str] = attrs.field(factory=list)
     thinking: list[str] = attrs.field(factory=list)
-    calls: list[tuple[str, str, str]] = attrs.field(factory=list)
+    calls: list[ToolCall] = attrs.field(factory=list)
 
     def add(self, piece: Piece) -> None:
         self.text.append(piece.text)
@@ -104,25 +105,31 @@ GENERATE = Shape(
 async def whole(resident: ResidentModel, prepared: PreparedGeneration,
                 observer: RequestObserver, shape: Shape) -> dict[str, Any]:
     answer = Collected()
-    async for piece in _answer(resident, prepared, observer):
-        if isinstance(piece, Ending):
-            return shape.end(resident.model_id, answer, piece)
-        answer.add(piece)
+    async with aclosing(_answer(resident, prepared, observer)) as pieces:
+        async for piece in pieces:
+            if isinstance(piece, Ending):
+                return shape.end(resident.model_id, answer, piece)
+            answer.add(piece)
     raise AssertionError("an answer always ends")  # pragma: no cover
 
 
-async def stream(resident: ResidentModel, prepared: PreparedGeneration,
-                 observer: RequestObserver, shape: Shape) -> AsyncIterator[bytes]:
+def stream(resident: ResidentModel, prepared: PreparedGeneration, observer: RequestObserver,
+           shape: Shape, *, flush_interval: float = 0.0) -> AsyncIterator[bytes]:
     """NDJSON lines; the last one carries the counts, not the text again."""
+    return encoded(_lines(resident, prepared, observer, shape), flush_interval=flush_interval,
+                   failed=lambda error: ollama.line(ollama.error_body(error.message)))
+
+
+async def _lines(resident: ResidentModel, prepared: PreparedGeneration,
+                 observer: RequestObserver, shape: Shape) -> AsyncGenerator[Frame, None]:
     model = resident.model_id
-    try:
-        async for piece in _answer(resident, prepared, observer):
+    answer = _answer(resident, prepared, observer)
+    async with aclosing(answer):
+        async for piece in answer:
             if isinstance(piece, Ending):
                 yield ollama.line(shape.end(model, Collected(), piece))
-                return
-            yield ollama.line(shape.part(model, piece))
-    except ButterError as exc:  # after the headers went out: Ollama's error line
-        yield ollama.line(ollama.error_body(exc.message))
+            else:
+                yield ollama.line(shape.part(model, piece))
 
 
 def model_facts(resident: ResidentModel) -> ollama.ModelFacts:
