@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from butter.engine.engine import Engine
+from butter.engine.engine import Engine, Generation
 
 log = logging.getLogger("butter.requests")
 
@@ -96,3 +96,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return bytes(generate_latest(self.registry))
+
+
+def log_request(route: str, generation: Generation | None, *, ttft: float | None,
+                duration: float, cancelled: bool) -> None:
+    """The request's one log line (`butter.requests`)."""
+    shown_ttft = "-" if ttft is None else f"{ttft:.3f}"
+    if generation is None:
+        log.info("%s admission_failed duration=%.3f cancelled=%s", route, duration, cancelled)
+        return
+    log.info(
+        "%s finish=%s prompt=%d cached=%d completion=%d drafts=%d/%d ttft=%s "
+        "duration=%.3f cancelled=%s", route, generation.finish_reason,
+        generation.prompt_tokens, generation.cached_tokens, generation.completion_tokens,
+        generation.accepted_tokens, generation.drafted_tokens, shown_ttft, duration, cancelled,
+    )
