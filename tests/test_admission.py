@@ -15,18 +15,25 @@ async def test_grants_in_strict_fifo_order(autojump_clock: trio.testing.MockCloc
     first = await admission.acquire(10)
     order: list[int] = []
 
+    done = [trio.Event() for _ in range(3)]
+
     async def waiter(name: int, cells: int) -> None:
         ticket = await admission.acquire(cells)
         order.append(name)
-        await trio.sleep(1)  # one slot: the next is granted only after this release
+        await done[name].wait()  # holds the one slot until the test lets it go
         admission.release(ticket)
 
     async with trio.open_nursery() as nursery:
         for name, cells in enumerate([50, 5, 20]):
             nursery.start_soon(waiter, name, cells)
-            await trio.sleep(0.1)  # deterministic arrival order
+            await trio.testing.wait_all_tasks_blocked()  # queued: arrival order is fixed
         assert admission.stats().queued == 3
         admission.release(first)
+        for name in range(3):
+            await trio.testing.wait_all_tasks_blocked()
+            assert order == list(range(name + 1))  # the next only after this release
+            assert admission.stats().active == 1
+            done[name].set()
     assert order == [0, 1, 2]
     assert admission.stats().reserved_cells == 0
 
@@ -45,9 +52,10 @@ async def test_head_blocks_smaller_requests_behind_it(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(wants, "big", 50)  # does not fit until the holder leaves
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
         nursery.start_soon(wants, "small", 5)  # would fit, but must not overtake
-        await trio.sleep(1)
+        await trio.testing.wait_all_tasks_blocked()  # both are parked in acquire()
+        assert admission.stats().queued == 2
         assert granted == {}
         admission.release(big_holder)
     assert granted["big"] < granted["small"]
@@ -65,7 +73,7 @@ async def test_cancelled_waiter_leaves_the_queue(autojump_clock: trio.testing.Mo
         with trio.move_on_after(1):
             await admission.acquire(10)  # gives up while queued
         nursery.start_soon(patient)
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
         assert admission.stats().queued == 1
         admission.release(holder)
     assert len(got) == 1 and admission.stats().active == 1
@@ -76,7 +84,8 @@ async def test_full_queue_answers_overloaded(autojump_clock: trio.testing.MockCl
     await admission.acquire(1)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(admission.acquire, 1)
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.stats().queued == 1
         with pytest.raises(Overloaded) as caught:
             await admission.acquire(1)
         assert caught.value.headers() == {"Retry-After": "1"}
@@ -130,6 +139,7 @@ async def test_extension_only_when_room_and_nobody_waits(
     assert not admission.try_extend(ticket, 30)  # would exceed the pool
     async with trio.open_nursery() as nursery:
         nursery.start_soon(admission.acquire, 30)
-        await trio.sleep(0.1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.stats().queued == 1
         assert not admission.try_extend(ticket, 1)  # a waiter has priority
         nursery.cancel_scope.cancel()

@@ -7,6 +7,7 @@ there. Afterwards the server holds no more file descriptors than before and no w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ import select
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -82,7 +83,7 @@ async def test_a_slow_steady_reader_is_never_cut() -> None:
 
     async def read_slowly() -> None:
         while len(received) < len(payload):
-            await trio.sleep(0.2)
+            await trio.sleep(0.2)  # the workload (a slow reader), not synchronisation
             received.extend(await client.recv(4096))
 
     start = time.monotonic()
@@ -132,6 +133,39 @@ def fd_links(server: ServerProcess) -> list[str]:
     return sorted(os.readlink(folder / name) for name in os.listdir(folder))
 
 
+def client_ports(server: ServerProcess) -> list[int]:
+    """The peer ports of the TCP connections the server holds a descriptor for (its TCP
+    sockets other than the listener): a connection is here from its accept until the server
+    closes it."""
+    folder = Path(f"/proc/{server.process.pid}/fd")
+    inodes = set()
+    for name in os.listdir(folder):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            link = os.readlink(folder / name)
+            if link.startswith("socket:["):
+                inodes.add(link.removeprefix("socket:[").removesuffix("]"))
+    ports = []
+    for table in ("tcp", "tcp6"):
+        path = Path(f"/proc/{server.process.pid}/net/{table}")
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            # sl local_address rem_address st ... inode (the tenth field); st 0A: LISTEN
+            fields = line.split()
+            if fields[9] in inodes and fields[3] != "0A":
+                ports.append(int(fields[2].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def wait_for_client_ports(server: ServerProcess, done: Callable[[list[int]], bool],
+                          what: str) -> None:
+    """Poll the server's connections (bounded) until `done` holds for their peer ports."""
+    deadline = time.monotonic() + 30
+    while not done(ports := client_ports(server)):
+        assert time.monotonic() < deadline, f"{what}: the server holds {ports}"
+        time.sleep(0.02)
+
+
 def metric(server: ServerProcess, name: str) -> float:
     text = get(server, "/metrics").text
     match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
@@ -153,7 +187,8 @@ def work(server: ServerProcess) -> tuple[int, int, int]:
 def idle_fds(server: ServerProcess) -> int:
     """The server's descriptors with no work and no client connection open."""
     assert work(server) == (0, 0, 0)
-    time.sleep(0.5)  # the server closes that request's connection
+    # The server closes that request's connection (Connection: close) after answering.
+    wait_for_client_ports(server, lambda ports: not ports, "no client connection left")
     return open_fds(server)
 
 
@@ -251,7 +286,7 @@ def test_a_slow_reader_on_the_server_is_never_cut(guarded_server: ServerProcess)
     with sock:
         sock.settimeout(30)
         while not received.endswith(b"\r\n0\r\n\r\n"):  # the last chunk
-            time.sleep(0.5)
+            time.sleep(0.5)  # the workload (a slow reader), not synchronisation
             chunk = sock.recv(2048)
             assert chunk, "closed before the end: " + received[-300:].decode(errors="replace")
             received.extend(chunk)
@@ -279,8 +314,10 @@ def test_a_mix_of_hostile_clients_leaves_nothing_behind(
         hang_up.sendall(request)
         hang_up.recv(100)
         sockets += [half, idle, hang_up]
+    hung_up = sockets[-1].getsockname()[1]
     sockets[-1].close()  # a hang-up mid-stream
-    time.sleep(1)
+    # The server has noticed: it let go of that connection (the others stay held).
+    wait_for_client_ports(server, lambda ports: hung_up not in ports, "the hang-up is held")
     ok = httpx.post(f"{server.api}/chat/completions", timeout=60, json={
         "messages": [{"role": "user", "content": "still there?"}], "max_tokens": 4},
         headers={"Connection": "close"})
@@ -296,7 +333,10 @@ def test_connections_past_the_limit_get_503_at_once(tiny_gguf: Path) -> None:
     try:
         baseline = idle_fds(server)
         held = [socket.create_connection(address(server)) for _ in range(3)]
-        time.sleep(0.5)  # accepted
+        ports = {sock.getsockname()[1] for sock in held}
+        # Accepted: the server holds all three (its accept loop hands each to the counting
+        # handler before it takes the next connection).
+        wait_for_client_ports(server, lambda seen: ports <= set(seen), "not yet accepted")
         with socket.create_connection(address(server)) as extra:
             extra.settimeout(10)
             extra.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")

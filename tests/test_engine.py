@@ -12,6 +12,7 @@ from typing import cast
 import pytest
 import trio
 import trio.lowlevel
+import trio.testing
 
 from butter.backends.base import Backend, KvOp, RemoveTokens, SeqWork, StepResult
 from butter.backends.llama_cpp import LlamaCppBackend
@@ -56,6 +57,17 @@ async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
 
 def tokens(resident: ResidentModel, text: str) -> list[int]:
     return resident.backend.tokenize(text, add_bos=False)
+
+
+async def wait_until_idle(engine: Engine) -> None:
+    """Until the step loop is parked on its wakeup: no step in flight on the backend's thread
+    and no task runnable. Nothing runs from there until something wakes the engine."""
+    with trio.fail_after(30):
+        while True:
+            await trio.testing.wait_all_tasks_blocked()
+            if engine.step_started is None:
+                return
+            await trio.sleep(0.01)  # a step is running on the backend's thread: poll again
 
 
 async def run(
@@ -196,7 +208,7 @@ async def test_cancelled_prefill_leaves_its_remaining_chunks_unrun(
     # Closed now (the cancellation lands at the next checkpoint, so the engine may have
     # planned one more chunk meanwhile); the step in flight may still finish.
     evaluated_when_closed = max(engine.stats().session_cells)
-    await trio.sleep(0.2)  # idle time: nothing may run for the cancelled request now
+    await wait_until_idle(engine)  # whatever still ran for it has run; nothing more will
     stats = engine.stats()
     assert stats.active == 0 and stats.reserved_cells == 0
     cached = max(stats.session_cells)
@@ -293,6 +305,7 @@ async def test_a_recurrent_model_reuses_its_state_only_by_extending_it(
 async def test_a_step_in_flight_finishes_before_a_cancellation_lands() -> None:
     """The engine's wait for a step: cancelling it must not abandon the step halfway."""
     with ThreadPoolExecutor(max_workers=1) as thread:
+        # (the sleep is the workload, not synchronisation)
         future = thread.submit(lambda: (time.sleep(0.3), "done")[1])  # a step taking 0.3 s
         results: list[str] = []
         with trio.move_on_after(0.05) as scope:  # cancelled long before it ends

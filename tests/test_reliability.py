@@ -240,7 +240,7 @@ async def test_disconnect_storm_leaves_nothing_behind(small_server: ServerProces
                 await stream.send_all(request)
                 if cut == "mid-stream":
                     await stream.receive_some(rng.randint(10, 2000))
-            await trio.sleep(rng.uniform(0, 0.3))
+            await trio.sleep(rng.uniform(0, 0.3))  # the workload: random client pacing
         finally:
             await stream.aclose()
 
@@ -248,7 +248,7 @@ async def test_disconnect_storm_leaves_nothing_behind(small_server: ServerProces
         async with trio.open_nursery() as nursery:
             for index in range(50):
                 nursery.start_soon(client, index)
-                await trio.sleep(0.01)
+                await trio.sleep(0.01)  # the workload: clients arrive over half a second
     async with httpx.AsyncClient(timeout=30) as http:
         with trio.fail_after(30):
             while True:
@@ -283,7 +283,14 @@ def test_shutdown_under_load_loses_no_completed_response(tiny_gguf: Path) -> Non
         async with httpx.AsyncClient(timeout=90) as http, trio.open_nursery() as nursery:
             for index in range(4):
                 nursery.start_soon(one, http, index)
-            await trio.sleep(0.3)
+            # All four reached the engine (running, queued, or already done) before the
+            # signal: the engine's own counts, polled.
+            with trio.fail_after(60):
+                while True:
+                    engine = (await http.get(f"{server.api}/server")).json()["engine"]
+                    if engine["active"] + engine["queued"] + engine["requests_done"] == 4:
+                        break
+                    await trio.sleep(0.02)
             os.kill(server.process.pid, signal.SIGTERM)
 
     trio.run(main)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -19,6 +20,13 @@ class _Model:
 
     def free(self) -> None:
         self.freed_on.append(threading.current_thread().name)
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_work_runs_in_order_on_the_workers_one_thread() -> None:
@@ -51,8 +59,9 @@ def test_close_waits_for_users_then_refuses_them() -> None:
     inside.wait()
     closer = threading.Thread(target=worker.close)
     closer.start()
-    time.sleep(0.2)
+    wait_until(lambda: worker.closing)  # close has begun, and only a user leaving ends it
     assert closer.is_alive() and not model.freed_on  # the user still holds the model
+    assert not worker.closed
     release.set()
     closer.join(timeout=10)
     holder.join(timeout=10)
@@ -80,8 +89,8 @@ def test_work_queued_behind_a_close_finds_the_model_unloaded() -> None:
     queued = worker.submit(lambda: "too late")
     closer = threading.Thread(target=worker.close)
     closer.start()
-    time.sleep(0.2)
-    assert not model.freed_on  # the step in flight finishes first
+    wait_until(lambda: worker.closed)  # close has begun: free is queued behind the step
+    assert closer.is_alive() and not model.freed_on  # the step in flight finishes first
     release.set()
     closer.join(timeout=10)
     assert in_flight.result() == "done" and len(model.freed_on) == 1

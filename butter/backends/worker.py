@@ -34,7 +34,12 @@ class BackendWorker:
         self._free = free
         self._changed = threading.Condition()
         self._users = 0
+        self._closing = False  # a close has begun: it waits for the users to leave
         self._closed = False
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     @property
     def closed(self) -> bool:
@@ -82,6 +87,7 @@ class BackendWorker:
         """Free the model on the thread, after its users and the step in flight. Idempotent:
         later calls (and users arriving meanwhile) wait for the first one to finish."""
         with self._changed:
+            self._closing = True
             self._changed.wait_for(lambda: self._users == 0)
             if self._closed:
                 return
