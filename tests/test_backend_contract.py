@@ -170,3 +170,21 @@ def test_a_closed_backend_refuses_every_use(kind: str, request: pytest.FixtureRe
         backend.check_sampling(SamplingParams(grammar=json_object_grammar()))
     with unloaded:
         backend.submit_step([], [])
+
+
+@pytest.mark.parametrize("kind", ["gguf", "mlx"])
+def test_control_tokens_written_out_come_out_as_their_text(
+        kind: str, request: pytest.FixtureRequest) -> None:
+    """A family's tool-call markers are control tokens, which generate as empty pieces;
+    the markers a backend is told to write out come out as text. `<|im_start|>` (a
+    control token of the tiny vocabulary) stands for them; logit_bias makes it the
+    greedy choice."""
+    backend = _load(kind, request.getfixturevalue(f"tiny_{kind}"))
+    try:
+        (marker,) = backend.tokenize("<|im_start|>", add_bos=False)
+        forced = SamplingParams(temperature=0.0, logit_bias=((marker, 100.0),))
+        assert _generate(backend, forced, 3) == b""
+        backend.write_out(["<|im_start|>", "not one token", "<tool_call>"])
+        assert _generate(backend, forced, 3) == b"<|im_start|>" * 3
+    finally:
+        backend.close()

@@ -316,3 +316,62 @@ def test_an_openai_agents_tool_loop(instruct_server: ServerProcess) -> None:
     while rounds() < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert rounds() == 2  # the call, then the answer
+
+
+MISTRAL_STYLE = (  # a template that writes its calls in Mistral's markup (v11 on)
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{% endfor %}</s>{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}"
+    "{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def mistral_style_server(tiny_gguf: Path, tmp_path_factory: pytest.TempPathFactory
+                         ) -> Iterator[ServerProcess]:
+    template = tmp_path_factory.mktemp("templates") / "mistral-style.jinja"
+    template.write_text(MISTRAL_STYLE)
+    server = ServerProcess(["--model", str(tiny_gguf), "--chat-template", str(template),
+                            "--alias", "tiny"])
+    yield server
+    server.stop()
+
+
+def test_a_familys_own_markup_becomes_tool_calls(mistral_style_server: ServerProcess) -> None:
+    """The template writes Mistral's markup, so a model answering in it is understood:
+    the answer (forced here through `grammar`) comes back as a tool call, whole and
+    streamed, and no markup reaches the content."""
+    import httpx
+
+    meta = httpx.get(f"{mistral_style_server.api}/models").json()["data"][0]["meta"]
+    assert meta["chat_template_capabilities"]["call_family"] == "mistral"
+    client = openai.OpenAI(base_url=mistral_style_server.api, api_key="unused", max_retries=0)
+    forced = {"grammar": 'root ::= "[TOOL_CALLS]get_weather[ARGS]{\\"city\\": \\"Paris\\"}"'}
+    answer = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], max_tokens=40,  # type: ignore[list-item]
+        extra_body=forced)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Paris"}  # type: ignore[union-attr]
+    stream = client.chat.completions.create(
+        model="tiny", messages=ASK, tools=[WEATHER], max_tokens=40,  # type: ignore[list-item]
+        extra_body=forced, stream=True)
+    content, names, arguments, reasons = "", [], "", []
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or []:
+            names += [part.function.name] if part.function and part.function.name else []
+            arguments += (part.function.arguments or "") if part.function else ""
+        reasons += [chunk.choices[0].finish_reason] if chunk.choices[0].finish_reason else []
+    assert content == "" and names == ["get_weather"] and reasons == ["tool_calls"]
+    assert json.loads(arguments) == {"city": "Paris"}
+    deadline = time.monotonic() + 30  # the request log says what the response said
+    while sum("/v1/chat/completions finish=tool_calls" in line
+              for line in mistral_style_server.output) < 2:
+        assert time.monotonic() < deadline, "".join(mistral_style_server.output[-5:])
+        time.sleep(0.05)

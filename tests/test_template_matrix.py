@@ -1,8 +1,9 @@
 """Every chat template of llama.cpp's collection (`models/templates/*.jinja`, read from the
 pinned llama-cpp-python sdist) renders what clients send: the conversations below, shaped
 as the OpenAI route shapes them, through butter's template probing and rewrites
-(butter/chat/polyfill.py). A rendered tool call in `<tool_call>` markup parses back to the
-same call."""
+(butter/chat/polyfill.py). A rendered tool call parses back to the same call wherever
+butter reads that family's markup: `<tool_call>` bodies, bare JSON calls, and each family
+of butter/chat/tool_calls.py, through the streaming markup parser."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import pytest
 from butter.chat.markup import (
     CALL_CLOSE,
     CALL_OPEN,
+    ContentDelta,
+    MarkupParser,
+    ToolCall,
     parse_bare_json_calls,
     parse_tool_call_body,
 )
@@ -124,6 +128,37 @@ def check_tool_round(template: ChatTemplate, text: str) -> str | None:
         parsed = parse_bare_json_calls(_first_json(after_question), SCHEMAS)
         if parsed != EXPECTED_CALL:
             return f"the bare JSON call parses back as {parsed}"
+    family = template.call_syntaxes[-1]
+    if family.open in after_question and family.open != CALL_OPEN:
+        return check_family_call(template, after_question)
+    return None
+
+
+# Where an answer ends in the rendered history: a call with no closing marker runs to
+# the end of the model's answer, which these end-of-turn texts stand for.
+TURN_ENDS = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|message_sep|>",
+             "<|im_end|>")
+
+
+def check_family_call(template: ChatTemplate, after_question: str) -> str | None:
+    """The family's own markup, as the model would write it (from its marker to its close
+    or the end of its answer), fed to the markup parser a character at a time, gives the
+    call and no markup as content."""
+    family = template.call_syntaxes[-1]
+    answer = after_question[after_question.index(family.open):]
+    if family.close is not None:
+        # (DeepSeek-R1-Distill's templates drop the close the model writes: put it back.)
+        end = answer.find(family.close)
+        answer = (answer[:end] if end >= 0 else answer.partition(
+            "<｜tool▁outputs▁begin｜>")[0]) + family.close
+    else:
+        answer = answer[:min(i for i in (answer.find(end) for end in TURN_ENDS) if i > 0)]
+    parser = MarkupParser(SCHEMAS, syntaxes=template.call_syntaxes)
+    events = [event for char in answer for event in parser.feed(char)] + parser.finish()
+    calls = [(event.name, event.arguments) for event in events if isinstance(event, ToolCall)]
+    content = "".join(event.text for event in events if isinstance(event, ContentDelta))
+    if calls != EXPECTED_CALL or content.strip():
+        return f"{family.family} markup {answer!r} parses back as {calls}, content {content!r}"
     return None
 
 
@@ -173,3 +208,5 @@ def test_capabilities_are_probed_not_assumed(templates: list[Path]) -> None:
     assert any(caps.short_tool_call_ids for caps in seen)
     assert any(caps.tools_list for caps in seen)
     assert 3 <= sum(caps.bare_json_calls for caps in seen) < len(seen) // 2  # Llama 3.x...
+    families = {caps.call_family for caps in seen}
+    assert {None, "mistral", "deepseek", "kimi", "command-r", "llama3"} <= families

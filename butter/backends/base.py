@@ -233,6 +233,12 @@ class Backend(Protocol):
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
 
+    def write_out(self, texts: Iterable[str]) -> None:
+        """Generated control tokens whose text is one of `texts` come out as that text
+        rather than as empty pieces: the markers of the model family's tool calls, which
+        the markup parser reads (butter/chat/tool_calls.py)."""
+        ...
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         """The text of these tokens, special ones (BOS, end of turn) written out."""
         ...

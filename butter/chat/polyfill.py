@@ -25,6 +25,8 @@ from typing import Any
 
 import attrs
 
+from butter.chat.tool_calls import family_syntax
+
 Messages = list[dict[str, Any]]
 Tools = list[dict[str, Any]] | None
 # Renders (messages, tools) to text, or raises: the template under test.
@@ -62,6 +64,9 @@ class TemplateCapabilities:
     # Writes an assistant's call as a bare JSON object (Llama 3.x, Mistral Nemo): the
     # model answers a call that way too (chat/markup.py, bare_json_calls).
     bare_json_calls: bool = False
+    # The model family whose tool-call markup the template writes, besides `<tool_call>`
+    # (chat/tool_calls.py, FAMILIES); None: `<tool_call>` only.
+    call_family: str | None = None
 
 
 def _renders(render: Render, messages: Messages, tools: Tools, *markers: str) -> bool:
@@ -82,7 +87,9 @@ def _tool_round(arguments: Any, call_id: str, content: str | None) -> Messages:
     ]
 
 
-def probe(render: Render) -> TemplateCapabilities:
+def probe(render: Render, source: str = "") -> TemplateCapabilities:
+    """What the template renders; `source`: its text, where a family's tool-call markup
+    may show that no probe renders."""
     user = [{"role": "user", "content": _USER}]
     tools_list = not _renders(render, user, None) and _renders(render, user, [])
     no_tools: Tools = [] if tools_list else None
@@ -93,16 +100,18 @@ def probe(render: Render) -> TemplateCapabilities:
     tools = _renders(render, user, _PROBE_TOOLS, _TOOL)
     offered = _PROBE_TOOLS if tools else no_tools
     content = None if null_content else ""
-    found = {}
+    found: dict[str, bool] = {}
+    rendered_call = ""  # the template's own rendering of a call, where it renders them
     for string_arguments in (False, True):
         arguments = json.dumps({"x": _VALUE}) if string_arguments else {"x": _VALUE}
         for call_id in ("call_probe_1", short_tool_call_id("call_probe_1")):
             round_ = _tool_round(arguments, call_id, content)
             if _renders(render, round_, offered, _CALL, _VALUE):
+                rendered_call = render(round_, offered)
                 found = {"string_arguments": string_arguments,
                          "short_tool_call_ids": call_id != "call_probe_1",
-                         "tool_responses": _renders(render, round_, offered, _RESULT),
-                         "bare_json_calls": _writes_bare_json(render(round_, offered))}
+                         "tool_responses": _RESULT in rendered_call,
+                         "bare_json_calls": _writes_bare_json(rendered_call)}
                 break
         if found:
             break
@@ -121,7 +130,13 @@ def probe(render: Render) -> TemplateCapabilities:
     return TemplateCapabilities(
         system_role=system_role, tools=tools, tool_calls="string_arguments" in found,
         null_content=null_content, tools_list=tools_list, reasoning=reasoning,
-        empty_assistant=empty_assistant, inner_system=inner_system, **found)
+        empty_assistant=empty_assistant, inner_system=inner_system,
+        call_family=_family(rendered_call, source), **found)
+
+
+def _family(rendered_call: str, source: str) -> str | None:
+    syntax = family_syntax(rendered_call, source)
+    return None if syntax is None else syntax.family
 
 
 def _writes_bare_json(rendered: str) -> bool:

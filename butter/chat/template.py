@@ -23,6 +23,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import SandboxedEnvironment
 
 from butter.chat.polyfill import TemplateCapabilities, adapt, probe
+from butter.chat.tool_calls import TOOL_CALL, syntax_named
 from butter.errors import InvalidRequest
 
 BUILTIN_TEMPLATES = ("gemma", "chatml", "llama3", "mistral")
@@ -143,7 +144,11 @@ class ChatTemplate:
             raise ValueError(f"chat template ({choice.origin}) does not compile: {exc}") from exc
         self.capabilities: TemplateCapabilities = probe(
             lambda messages, tools: self._template.render(
-                **self._variables(messages, tools, add_generation_prompt=True)))
+                **self._variables(messages, tools, add_generation_prompt=True)),
+            choice.source)
+        # How the model writes tool calls: `<tool_call>`, and its family's markup.
+        family = syntax_named(self.capabilities.call_family)
+        self.call_syntaxes = (TOOL_CALL, *((family,) if family else ()))
 
     @property
     def renders_tools(self) -> bool:

@@ -27,7 +27,7 @@ class OutputAssembler:
         self._markup = MarkupParser(
             prepared.request.tool_schemas, start_in_reasoning=prepared.starts_in_reasoning,
             new_call_id=lambda _: f"{call_id_prefix}{uuid.uuid4().hex[:24]}",
-            bare_json_calls=prepared.bare_json_calls,
+            bare_json_calls=prepared.bare_json_calls, syntaxes=prepared.call_syntaxes,
         )
 
     @property

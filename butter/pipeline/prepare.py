@@ -13,6 +13,7 @@ import attrs
 from butter.backends.base import BackendError
 from butter.chat.markup import THINK_OPEN
 from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
+from butter.chat.tool_calls import TOOL_CALL, CallSyntax
 from butter.errors import ContextLengthExceeded, InvalidRequest, ModelReplaced
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import MAX_SEED, SamplingParams
@@ -29,6 +30,8 @@ class PreparedGeneration:
     token_prompt_text: str | None = None
     # The template writes calls as bare JSON, so the model may answer one that way.
     bare_json_calls: bool = False
+    # How the model writes tool calls: `<tool_call>`, and its family's markup.
+    call_syntaxes: tuple[CallSyntax, ...] = (TOOL_CALL,)
 
 
 def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -40,7 +43,8 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
                                       starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
             return attrs.evolve(prepared, bare_json_calls=(
                 resident.template.capabilities.bare_json_calls
-                and resident.template.renders_tools))
+                and resident.template.renders_tools),
+                call_syntaxes=resident.template.call_syntaxes)
         if isinstance(request.prompt, TokenPrompt):
             tokens = checked_tokens(request.prompt.tokens, resident.backend.info.n_vocab)
             return attrs.evolve(prepare_tokens(resident, request, tokens),

@@ -129,6 +129,8 @@ class ResidentModel:
             choice = choose_template(settings.chat_template, info.embedded_chat_template,
                                      info.architecture)
             template = ChatTemplate(choice, bos_token=info.bos_text, eos_token=info.eos_text)
+            backend.write_out(marker for syntax in template.call_syntaxes
+                              for marker in syntax.markers)
         except BaseException:
             backend.close()
             raise

@@ -30,6 +30,7 @@ class RequestObserver:
     on_finish: Callable[[RequestObserver, Generation | None, bool], None]
     started: float = attrs.field(factory=time.perf_counter)
     first_output: float | None = None
+    tool_calls: int = 0  # parsed from the output (its finish reason says tool_calls)
 
     @property
     def ttft(self) -> float | None:
@@ -99,6 +100,8 @@ async def generated_events(
             break  # the engine drops it before the next step
     for event in assembler.finish():
         yield event
+    if observer is not None:
+        observer.tool_calls += assembler.tool_calls
 
 
 def _feed_until_stop(assembler: OutputAssembler, pieces: list[bytes]) -> tuple[list[Event], int]:

@@ -98,16 +98,19 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
 
-def log_request(route: str, generation: Generation | None, *, ttft: float | None,
-                duration: float, cancelled: bool) -> None:
-    """The request's one log line (`butter.requests`)."""
+def log_request(route: str, generation: Generation | None, *, tool_calls: int = 0,
+                ttft: float | None, duration: float, cancelled: bool) -> None:
+    """The request's one log line (`butter.requests`), its finish reason as the response
+    says it."""
     shown_ttft = "-" if ttft is None else f"{ttft:.3f}"
     if generation is None:
         log.info("%s admission_failed duration=%.3f cancelled=%s", route, duration, cancelled)
         return
     log.info(
         "%s finish=%s prompt=%d cached=%d completion=%d drafts=%d/%d ttft=%s "
-        "duration=%.3f cancelled=%s", route, generation.finish_reason,
+        "duration=%.3f cancelled=%s", route,
+        "tool_calls" if tool_calls and generation.finish_reason == "stop"
+        else generation.finish_reason,
         generation.prompt_tokens, generation.cached_tokens, generation.completion_tokens,
         generation.accepted_tokens, generation.drafted_tokens, shown_ttft, duration, cancelled,
     )

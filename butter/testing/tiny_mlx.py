@@ -104,6 +104,9 @@ def _write(target: pathlib.Path, config: dict[str, object], model_class: type,
         "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
         "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
         "add_bos_token": False, "model_max_length": 4096,
+        # As Qwen's own config lists them: the tokenizer then counts them as special, so
+        # they generate as empty pieces, as llama.cpp's control tokens do.
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
     }, indent=1))
     (target / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [tiny_special("<|im_end|>"), tiny_special("<|endoftext|>")]}))

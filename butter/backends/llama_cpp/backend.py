@@ -8,7 +8,7 @@ decode, so the trio loop keeps serving.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -199,6 +199,9 @@ class LlamaCppBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    def write_out(self, texts: Iterable[str]) -> None:
+        self._worker.run(self.model.write_out, list(texts))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._worker.using():

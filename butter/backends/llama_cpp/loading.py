@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ class LlamaModel:
         init_llama_backend()
         check_gguf_file(path)
         self._piece_buffer = ctypes.create_string_buffer(256)
+        self._written_out: frozenset[int] = frozenset()  # control tokens shown as text
         self.model: Any
         repack = repack and not _crashing_buffer_type_listed()
         self.model, self.layers_by, stored = _load_model(path, repack=repack,
@@ -216,7 +217,18 @@ class LlamaModel:
             )
         return list(tokens[:count])
 
+    def write_out(self, texts: Iterable[str]) -> None:
+        """Generated control tokens whose text is one of `texts` come out as that text
+        instead of empty pieces (a model family's tool-call markers, for the parser)."""
+        found = set()
+        for text in texts:
+            tokens = self.tokenize(text, add_bos=False)
+            if len(tokens) == 1 and self.piece(tokens[0]) == b"":
+                found.add(tokens[0])
+        self._written_out = frozenset(found)
+
     def piece(self, token: int, *, special: bool = False) -> bytes:
+        special = special or token in self._written_out
         buffer = self._piece_buffer
         length = ll.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         if length < 0:

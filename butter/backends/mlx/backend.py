@@ -6,7 +6,7 @@ arrays to the thread that built them."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,10 @@ class MlxBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    def write_out(self, texts: Iterable[str]) -> None:
+        with self._worker.using():
+            self.model.write_out(texts)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._worker.using():

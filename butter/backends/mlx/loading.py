@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,7 @@ class MlxModel:
             for layer in self.new_cache())
         self.end_of_generation = set(self.tokenizer.eos_token_ids)
         self._special = set(self.tokenizer.all_special_ids)
+        self._written_out: dict[int, bytes] = {}  # special tokens shown as their text
         self._encoding = threading.Lock()
 
     def _read_info(self, path: Path) -> ModelInfo:
@@ -174,9 +175,18 @@ class MlxModel:
         bos = self.tokenizer.bos_token_id
         return [bos, *tokens] if add_bos and bos is not None else tokens
 
+    def write_out(self, texts: Iterable[str]) -> None:
+        """Generated special tokens whose text is one of `texts` come out as that text
+        (a model family's tool-call markers, for the parser)."""
+        for text in texts:
+            tokens = self.tokenize(text, add_bos=False)
+            if len(tokens) == 1 and tokens[0] in self._special:
+                self._written_out[tokens[0]] = text.encode()
+
     def piece(self, token: int) -> bytes:
         if token in self._special:
-            return b""  # control tokens render empty, as llama.cpp does
+            # Control tokens render empty, as llama.cpp does, but for those written out.
+            return self._written_out.get(token, b"")
         text = self.tokenizer.convert_ids_to_tokens(token)
         if all(char in _UNICODE_TO_BYTE for char in text):
             return bytes(_UNICODE_TO_BYTE[char] for char in text)

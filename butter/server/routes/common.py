@@ -149,7 +149,7 @@ def _finish(
             metrics.cancellations.inc()
         if watch.ttft is not None:
             metrics.ttft.observe(watch.ttft)
-        log_request(watch.route, generation, ttft=watch.ttft,
+        log_request(watch.route, generation, tool_calls=watch.tool_calls, ttft=watch.ttft,
                     duration=time.perf_counter() - watch.started, cancelled=cancelled)
 
     return finish

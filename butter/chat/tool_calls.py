@@ -1,0 +1,382 @@
+"""How model families write tool calls, and the parsers of what they write (pure).
+
+Every family marks its calls with an opening text and, most of the time, a closing one;
+between them is a body only that family's parser reads. `<tool_call>` (Hermes, Qwen, GLM,
+and what butter's tools preamble teaches) is always understood. A template that writes
+another family's markup (found in its rendering of a probe call, else in its source)
+adds that family's syntax: the markup parser (chat/markup.py) then watches for both.
+
+Many of these markers are control tokens, which llama.cpp renders as empty pieces; the
+backends write out the ones in `CallSyntax.markers` as text so the parser sees them.
+
+Each parser returns [(name, arguments as JSON text)], or None when the body is not a
+valid call of an offered tool (the markup then degrades to plain content).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+# Tool name → JSON schema of its parameters (None: no schema given).
+ToolSchemas = Mapping[str, Mapping[str, Any] | None]
+Parsed = list[tuple[str, str]] | None
+BodyParser = Callable[[str, ToolSchemas], Parsed]
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+@attrs.frozen
+class CallSyntax:
+    """One family's tool-call markup: `open`, then a body for `parse`, then `close` (None:
+    the calls run to the end of the answer)."""
+
+    family: str
+    open: str
+    close: str | None
+    parse: BodyParser
+    inner: tuple[str, ...] = ()  # marker texts inside the body
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """Every marker text the parser must see (the backends write these out as text
+        where they are control tokens)."""
+        return (self.open, *((self.close,) if self.close else ()), *self.inner)
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def _calls(pairs: Iterable[tuple[str, Any]], tools: ToolSchemas) -> Parsed:
+    """[(name, arguments as JSON text)] if every pair names an offered tool and gives its
+    arguments as an object (or as JSON text of one, which some models double-encode)."""
+    calls = []
+    for name, arguments in pairs:
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(name, str) or name not in tools or not isinstance(arguments, dict):
+            return None
+        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+    return calls or None
+
+
+def _json(text: str) -> Any:
+    """The JSON value `text` holds, whitespace aside; None if it holds none."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _json_call_pair(call: Any) -> tuple[Any, Any] | None:
+    """(name, arguments) of a call object in any of the common key spellings."""
+    if not isinstance(call, dict):
+        return None
+    name = call.get("name", call.get("tool_name"))
+    if name is None and len(call) == 1:  # {"f": {...}} (Apertus)
+        ((name, arguments),) = call.items()
+        return name, arguments
+    return name, call.get("arguments", call.get("parameters", {}))
+
+
+def json_calls(text: str, tools: ToolSchemas) -> Parsed:
+    """One call object, an array of them, or one object per line."""
+    value = _json(text)
+    if value is None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        values = [_json(line) for line in lines]
+        if len(values) < 2 or any(item is None for item in values):
+            return None
+        value = values
+    pairs = [_json_call_pair(item) for item in (value if isinstance(value, list) else [value])]
+    if any(pair is None for pair in pairs):
+        return None
+    return _calls((pair for pair in pairs if pair is not None), tools)
+
+
+def _properties(schema: Mapping[str, Any] | None) -> Mapping[str, Any]:
+    properties = (schema or {}).get("properties")
+    return properties if isinstance(properties, Mapping) else {}
+
+
+def typed_value(raw: str, schema: Any) -> Any:
+    """A parameter written as text, typed by its JSON schema: strings stay strings, the
+    rest is parsed as JSON where it is JSON."""
+    # The XML forms put values on their own lines: one newline each side is framing.
+    value = raw.removeprefix("\n").removesuffix("\n")
+    kind = schema.get("type") if isinstance(schema, Mapping) else None
+    if kind == "string" or (isinstance(kind, list) and "string" in kind):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _named_parameters(pattern: re.Pattern[str], inner: str, name: str,
+                      tools: ToolSchemas) -> dict[str, Any] | None:
+    if name not in tools:
+        return None
+    properties = _properties(tools[name])
+    return {key: typed_value(value, properties.get(key))
+            for key, value in pattern.findall(inner)}
+
+
+def _whole(pattern: re.Pattern[str], text: str) -> bool:
+    """`text` is nothing but matches of `pattern` (and white space)."""
+    return bool(pattern.search(text)) and not pattern.sub("", text).strip()
+
+
+# ---------------------------------------------------------------- <tool_call> bodies
+
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+_KEY_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+
+def parse_tool_call_body(body: str, tools: ToolSchemas) -> Parsed:
+    """One `<tool_call>` body, in any of its forms:
+
+    - JSON (Hermes / Qwen2.5 / Qwen3): `{"name": "f", "arguments": {...}}`
+    - XML (Qwen3-Coder, Seed-OSS): `<function=f><parameter=k>v</parameter></function>`
+    - key/value (GLM, Laguna, Ling): `f<arg_key>k</arg_key><arg_value>v</arg_value>`
+    """
+    text = body.strip()
+    if text.startswith("{"):
+        value = _json(text)
+        pair = _json_call_pair(value) if isinstance(value, dict) else None
+        return None if pair is None else _calls([pair], tools)
+    if "<function=" in text:
+        return _xml_calls(text, tools)
+    if "<arg_key>" in text or (text and text in tools):
+        return _key_value_call(text, tools)
+    return None
+
+
+def parse_bare_json_calls(text: str, tools: ToolSchemas) -> Parsed:
+    """A whole answer that is one JSON call object, or an array of them (Llama 3.x,
+    Mistral Nemo)."""
+    value = _json(text)
+    items = value if isinstance(value, list) else [value]
+    if value is None or not all(isinstance(item, dict) for item in items):
+        return None
+    return json_calls(text, tools)
+
+
+def _key_value_call(text: str, tools: ToolSchemas) -> Parsed:
+    name, _, rest = text.partition("<arg_key>")
+    name = name.strip()
+    rest = "<arg_key>" + rest if rest else ""
+    arguments = _named_parameters(_KEY_VALUE, rest, name, tools)
+    if arguments is None or _KEY_VALUE.sub("", rest).strip():
+        return None
+    return _calls([(name, {key.strip(): value for key, value in arguments.items()})], tools)
+
+
+def _xml_calls(text: str, tools: ToolSchemas) -> Parsed:
+    if not _whole(_FUNCTION, text):
+        return None
+    return _calls(((name, _named_parameters(_PARAMETER, inner, name, tools))
+                   for name, inner in _FUNCTION.findall(text)), tools)
+
+
+TOOL_CALL = CallSyntax("tool_call", CALL_OPEN, CALL_CLOSE, parse_tool_call_body)
+
+
+# ---------------------------------------------------------------- other families
+
+def _mistral(body: str, tools: ToolSchemas) -> Parsed:
+    """`[TOOL_CALLS]f[ARGS]{...}` (v11 on, an optional `[CALL_ID]id` after the name), one
+    `[TOOL_CALLS]` per call; or `[TOOL_CALLS][{"name": ..., "arguments": ...}]` (Nemo)."""
+    if body.lstrip().startswith("["):
+        return json_calls(body, tools)
+    pairs: list[tuple[str, Any]] = []
+    for part in body.split("[TOOL_CALLS]"):
+        name, found, arguments = part.partition("[ARGS]")
+        if not found:
+            return None
+        pairs.append((name.partition("[CALL_ID]")[0].strip(), _json(arguments)))
+    return _calls(pairs, tools)
+
+
+_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>",
+                            re.DOTALL)
+_FENCED_JSON = re.compile(r"\A\s*([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*\Z", re.DOTALL)
+
+
+def _deepseek(body: str, tools: ToolSchemas) -> Parsed:
+    """Between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, R1 writes
+    `function<｜tool▁sep｜>f` and the arguments in a fenced json block on the next lines;
+    V3.1 writes `f<｜tool▁sep｜>{...}`."""
+    if not _whole(_DEEPSEEK_CALL, body):
+        return None
+    pairs: list[tuple[str, Any]] = []
+    for kind, rest in _DEEPSEEK_CALL.findall(body):
+        fenced = _FENCED_JSON.match(rest) if kind.strip() == "function" else None
+        name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (kind, rest)
+        pairs.append((name.strip(), _json(arguments)))
+    return _calls(pairs, tools)
+
+
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(.+?)(?::\d+)?\s*"
+                        r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
+
+
+def _kimi(body: str, tools: ToolSchemas) -> Parsed:
+    """`<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`"""
+    if not _whole(_KIMI_CALL, body):
+        return None
+    return _calls(((name, _json(arguments)) for name, arguments in _KIMI_CALL.findall(body)),
+                  tools)
+
+
+_SOLAR_CALL = re.compile(r"<\|tool_call:begin\|>.*?<\|tool_call:name\|>(.*?)"
+                         r"<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.DOTALL)
+
+
+def _solar(body: str, tools: ToolSchemas) -> Parsed:
+    """`<|tool_call:begin|>id<|tool_call:name|>f<|tool_call:args|>{...}<|tool_call:end|>`"""
+    if not _whole(_SOLAR_CALL, body):
+        return None
+    return _calls(((name.strip(), _json(arguments))
+                   for name, arguments in _SOLAR_CALL.findall(body)), tools)
+
+
+def _semicolon_json_calls(body: str, tools: ToolSchemas) -> Parsed:
+    """Llama 3.x after `<|python_tag|>`: one call object, or several joined by `;`."""
+    whole = json_calls(body, tools)
+    if whole is not None:
+        return whole
+    calls: list[tuple[str, str]] = []
+    for part in body.split(";"):
+        found = json_calls(part, tools)
+        if found is None:
+            return None
+        calls += found
+    return calls or None
+
+
+_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
+_INVOKE_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
+
+
+def _invoke(body: str, tools: ToolSchemas) -> Parsed:
+    """`<invoke name="f"><parameter name="k">v</parameter></invoke>` (MiniMax-M2)."""
+    if not _whole(_INVOKE, body):
+        return None
+    return _calls(((name, _named_parameters(_INVOKE_PARAMETER, inner, name, tools))
+                   for name, inner in _INVOKE.findall(body)), tools)
+
+
+_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAMETER = re.compile(
+    r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL)
+
+
+def _dsml(body: str, tools: ToolSchemas) -> Parsed:
+    """DeepSeek V3.2 on: `<｜DSML｜invoke name="f"><｜DSML｜parameter name="k"
+    string="true">v</｜DSML｜parameter></｜DSML｜invoke>` (string="false": a JSON value)."""
+    if not _whole(_DSML_INVOKE, body):
+        return None
+    pairs = []
+    for name, inner in _DSML_INVOKE.findall(body):
+        arguments = {key: value if is_string == "true" else typed_value(value, None)
+                     for key, is_string, value in _DSML_PARAMETER.findall(inner)}
+        pairs.append((name, arguments))
+    return _calls(pairs, tools)
+
+
+_GEMMA_QUOTE = '<|"|>'
+_GEMMA_KEY = re.compile(r"([{,]\s*)([A-Za-z_][\w.-]*)(\s*:)")
+
+
+def _gemma(body: str, tools: ToolSchemas) -> Parsed:
+    """Gemma 4: `call:f{key:<|"|>text<|"|>,n:3}`; `<|"|>` quotes strings, keys are bare."""
+    name, brace, rest = body.strip().removeprefix("call:").partition("{")
+    if not brace:
+        return None
+    pieces = ("{" + rest).split(_GEMMA_QUOTE)
+    if len(pieces) % 2 == 0:
+        return None  # an unclosed string
+    as_json = "".join(json.dumps(piece) if index % 2 else _GEMMA_KEY.sub(r'\1"\2"\3', piece)
+                      for index, piece in enumerate(pieces))
+    return _calls([(name.strip(), _json(as_json))], tools)
+
+
+_FUNCTIONARY_CALL = re.compile(r"\A([^>\s]+)>(.*)\Z", re.DOTALL)
+
+
+def _functionary(body: str, tools: ToolSchemas) -> Parsed:
+    """Functionary v3.1: `<function=f>{...}</function>`, one call each."""
+    found = _FUNCTIONARY_CALL.match(body)
+    return None if found is None else _calls([(found.group(1), _json(found.group(2)))], tools)
+
+
+def _pythonic(body: str, tools: ToolSchemas) -> Parsed:
+    """LFM2: `[f(city='Paris'), g(n=3)]`, Python call syntax with literal arguments."""
+    try:
+        tree = ast.parse(body.strip(), mode="eval").body
+        calls = tree.elts if isinstance(tree, ast.List) else [tree]
+        pairs = []
+        for call in calls:
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) \
+                    or call.args:
+                return None
+            pairs.append((call.func.id, {keyword.arg: ast.literal_eval(keyword.value)
+                                         for keyword in call.keywords}))
+    except (SyntaxError, ValueError, TypeError):
+        return None
+    return _calls(pairs, tools)
+
+
+# The families other than `<tool_call>`, in the order they are looked for.
+FAMILIES = (
+    CallSyntax("mistral", "[TOOL_CALLS]", None, _mistral, ("[ARGS]", "[CALL_ID]")),
+    CallSyntax("deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", _deepseek,
+               ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>")),
+    CallSyntax("deepseek-v3.2", "<｜DSML｜function_calls>", "</｜DSML｜function_calls>", _dsml),
+    CallSyntax("deepseek-v4", "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", _dsml),
+    CallSyntax("kimi", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", _kimi,
+               ("<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>")),
+    CallSyntax("command-r", "<|START_ACTION|>", "<|END_ACTION|>", json_calls),
+    CallSyntax("solar", "<|tool_calls|>", "<|calls|>", _solar,
+               ("<|tool_call:begin|>", "<|tool_call:name|>", "<|tool_call:args|>",
+                "<|tool_call:end|>")),
+    CallSyntax("gemma4", "<|tool_call>", "<tool_call|>", _gemma, (_GEMMA_QUOTE,)),
+    CallSyntax("lfm2", "<|tool_call_start|>", "<|tool_call_end|>", _pythonic),
+    CallSyntax("granite", "<|tool_call|>", None, json_calls),
+    CallSyntax("llama3", "<|python_tag|>", None, _semicolon_json_calls),
+    CallSyntax("apertus", "<|tools_prefix|>", "<|tools_suffix|>", json_calls),
+    CallSyntax("nemotron", "<TOOLCALL>", "</TOOLCALL>", json_calls),
+    CallSyntax("tool_calls", "<tool_calls>", "</tool_calls>", json_calls),  # Apriel, MiniMax-M1
+    CallSyntax("gigachat", "<|function_call|>", None, json_calls),
+    CallSyntax("minimax", "<minimax:tool_call>", "</minimax:tool_call>", _invoke),
+    CallSyntax("seed", "<seed:tool_call>", "</seed:tool_call>", parse_tool_call_body),
+    CallSyntax("functionary", "<function=", "</function>", _functionary),
+    CallSyntax("firefunction", "functools", None, json_calls),
+)
+
+
+def family_syntax(rendered_call: str, source: str) -> CallSyntax | None:
+    """The family whose markup a template writes: found in its own rendering of a call
+    (empty where it renders none), else anywhere in its source (Llama 3.x writes
+    `<|python_tag|>` only for some calls; Granite 3.x tells the model its markup in the
+    system prompt). None: `<tool_call>` only."""
+    written = sorted((rendered_call.find(syntax.open), order)
+                     for order, syntax in enumerate((TOOL_CALL, *FAMILIES))
+                     if syntax.open in rendered_call)
+    if written:  # the first marker the call is written with
+        first = written[0][1]
+        return None if first == 0 else FAMILIES[first - 1]
+    return next((syntax for syntax in FAMILIES if syntax.open in source), None)
+
+
+def syntax_named(family: str | None) -> CallSyntax | None:
+    return next((syntax for syntax in FAMILIES if syntax.family == family), None)

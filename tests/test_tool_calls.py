@@ -1,0 +1,187 @@
+"""Tool-call markup of the model families beyond `<tool_call>` (butter/chat/tool_calls.py),
+as the models write it (from each family's published format), through the streaming
+markup parser: several calls, any split, values typed, broken markup left as content."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from butter.chat.markup import ContentDelta, Event, MarkupParser, ToolCall
+from butter.chat.tool_calls import (
+    FAMILIES,
+    TOOL_CALL,
+    CallSyntax,
+    family_syntax,
+    syntax_named,
+)
+
+TOOLS = {
+    "get_weather": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}},
+    "search": {"type": "object", "properties": {"query": {"type": "string"}}},
+}
+TWO_CALLS = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "12"})]
+
+# family → an answer with text first, then the two calls as that family writes them
+ANSWERS = {
+    "mistral": 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'
+               '[TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]{"query": "12"}',
+    "deepseek": 'Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>'
+                'get_weather\n'
+                '```json\n{"city": "Paris", "days": 3}\n```<｜tool▁call▁end｜>\n'
+                '<｜tool▁call▁begin｜>search<｜tool▁sep｜>{"query": "12"}<｜tool▁call▁end｜>'
+                '<｜tool▁calls▁end｜>',
+    "deepseek-v3.2": 'Sure.<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+                     '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+                     '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
+                     '</｜DSML｜invoke>\n<｜DSML｜invoke name="search">\n<｜DSML｜parameter '
+                     'name="query" string="true">12</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+                     '</｜DSML｜function_calls>',
+    "kimi": 'Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+            '<|tool_call_argument_begin|>{"city": "Paris", "days": 3}<|tool_call_end|>'
+            '<|tool_call_begin|>functions.search:1<|tool_call_argument_begin|>{"query": "12"}'
+            '<|tool_call_end|><|tool_calls_section_end|>',
+    "command-r": 'Sure.<|START_ACTION|>[\n{"tool_call_id": "0", "tool_name": "get_weather", '
+                 '"parameters": {"city": "Paris", "days": 3}},\n{"tool_call_id": "1", '
+                 '"tool_name": "search", "parameters": {"query": "12"}}\n]<|END_ACTION|>',
+    "solar": 'Sure.<|tool_calls|><|tool_call:begin|>c1<|tool_call:name|>get_weather'
+             '<|tool_call:args|>{"city": "Paris", "days": 3}<|tool_call:end|>'
+             '<|tool_call:begin|>c2<|tool_call:name|>search<|tool_call:args|>{"query": "12"}'
+             '<|tool_call:end|><|calls|>',
+    "gemma4": 'Sure.<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:3}<tool_call|>'
+              '<|tool_call>call:search{query:<|"|>12<|"|>}<tool_call|>',
+    "lfm2": "Sure.<|tool_call_start|>[get_weather(city='Paris', days=3), search(query='12')]"
+            "<|tool_call_end|>",
+    "granite": 'Sure.<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", '
+               '"days": 3}}, {"name": "search", "arguments": {"query": "12"}}]',
+    "llama3": 'Sure.<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", '
+              '"days": 3}}; {"name": "search", "parameters": {"query": "12"}}',
+    "apertus": 'Sure.<|tools_prefix|>[{"get_weather": {"city": "Paris", "days": 3}}, '
+               '{"search": {"query": "12"}}]<|tools_suffix|>',
+    "nemotron": 'Sure.<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 3}}, {"name": "search", "arguments": {"query": "12"}}]</TOOLCALL>',
+    "tool_calls": 'Sure.<tool_calls>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                  '"days": 3}}\n{"name": "search", "arguments": {"query": "12"}}\n</tool_calls>',
+    "minimax": 'Sure.<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+               'Paris</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n<invoke '
+               'name="search">\n<parameter name="query">12</parameter>\n</invoke>\n'
+               '</minimax:tool_call>',
+    "seed": "Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
+            "<parameter=days>3</parameter>\n</function>\n<function=search>\n<parameter=query>"
+            "12</parameter>\n</function>\n</seed:tool_call>",
+}
+# families that write one call per marker pair, or whose body holds one call
+ONE_CALL = {
+    "gigachat": 'Sure.<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", '
+                '"days": 3}}',
+    "functionary": 'Sure.<function=get_weather>{"city": "Paris", "days": 3}</function>',
+    "firefunction": 'Sure. functools[{"name": "get_weather", "arguments": {"city": "Paris", '
+                    '"days": 3}}]',
+}
+
+
+def parsed(syntax: CallSyntax, text: str, step: int) -> tuple[str, list[tuple[str, object]]]:
+    parser = MarkupParser(TOOLS, syntaxes=(TOOL_CALL, syntax))
+    events: list[Event] = []
+    for start in range(0, len(text), step):
+        events += parser.feed(text[start:start + step])
+    events += parser.finish()
+    content = "".join(event.text for event in events if isinstance(event, ContentDelta))
+    calls = [(event.name, json.loads(event.arguments)) for event in events
+             if isinstance(event, ToolCall)]
+    assert [event.index for event in events if isinstance(event, ToolCall)] == list(
+        range(len(calls)))
+    return content, calls
+
+
+def test_every_family_is_tested() -> None:
+    assert {syntax.family for syntax in FAMILIES} == {*ANSWERS, *ONE_CALL, "deepseek-v4"}
+
+
+@pytest.mark.parametrize("step", [1, 2, 7, 10_000])
+@pytest.mark.parametrize("family", sorted(ANSWERS))
+def test_a_familys_calls_come_out_whole_in_any_split(family: str, step: int) -> None:
+    syntax = syntax_named(family)
+    assert syntax is not None
+    assert parsed(syntax, ANSWERS[family], step) == ("Sure.", TWO_CALLS)
+
+
+@pytest.mark.parametrize("family", sorted(ONE_CALL))
+def test_families_of_one_call_a_body(family: str) -> None:
+    syntax = syntax_named(family)
+    assert syntax is not None
+    content, calls = parsed(syntax, ONE_CALL[family], 3)
+    assert content.strip() == "Sure." and calls == TWO_CALLS[:1]
+
+
+def test_the_v4_dsml_markup_shares_v3_2s_parser() -> None:
+    syntax = syntax_named("deepseek-v4")
+    assert syntax is not None
+    text = ANSWERS["deepseek-v3.2"].replace("function_calls>", "tool_calls>")
+    assert parsed(syntax, text, 5) == ("Sure.", TWO_CALLS)
+
+
+@pytest.mark.parametrize("family", ["mistral", "kimi", "deepseek", "solar", "gemma4", "lfm2"])
+def test_broken_markup_stays_content(family: str) -> None:
+    """An unknown tool, or arguments that do not parse: no such call, and its text comes
+    out as content (a family that writes one call per marker pair keeps the good one)."""
+    syntax = syntax_named(family)
+    assert syntax is not None
+    for broken in (ANSWERS[family].replace("get_weather", "launch_rockets"),
+                   ANSWERS[family].replace("3", "3,,", 1)):
+        content, calls = parsed(syntax, broken, 4)
+        assert [name for name, _ in calls] in ([], ["search"])
+        assert ("launch_rockets" if "launch" in broken else "3,,") in content
+        if not calls:
+            assert content == broken
+
+
+def test_a_closing_marker_never_reached_leaves_the_text_as_content() -> None:
+    syntax = syntax_named("kimi")
+    assert syntax is not None
+    cut = ANSWERS["kimi"].removesuffix("<|tool_calls_section_end|>")
+    assert parsed(syntax, cut, 3) == (cut, [])
+
+
+def test_without_tools_the_markup_is_text() -> None:
+    syntax = syntax_named("mistral")
+    assert syntax is not None
+    parser = MarkupParser(None, syntaxes=(TOOL_CALL, syntax))
+    events = parser.feed(ANSWERS["mistral"]) + parser.finish()
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == ANSWERS["mistral"]
+
+
+def test_tool_call_tags_still_work_beside_a_family() -> None:
+    syntax = syntax_named("mistral")
+    assert syntax is not None
+    text = 'Ok <tool_call>{"name": "search", "arguments": {"query": "12"}}</tool_call>'
+    assert parsed(syntax, text, 3) == ("Ok ", [("search", {"query": "12"})])
+
+
+@settings(max_examples=200)
+@given(st.sampled_from(sorted(ANSWERS)), st.lists(st.integers(1, 400), max_size=8))
+def test_any_split_equals_the_whole(family: str, cuts: list[int]) -> None:
+    syntax = syntax_named(family)
+    assert syntax is not None
+    text = ANSWERS[family]
+    parser = MarkupParser(TOOLS, syntaxes=(TOOL_CALL, syntax))
+    events: list[Event] = []
+    points = sorted({min(cut, len(text)) for cut in cuts})
+    for start, end in zip([0, *points], [*points, len(text)], strict=True):
+        events += parser.feed(text[start:end])
+    events += parser.finish()
+    assert [(e.name, json.loads(e.arguments)) for e in events
+            if isinstance(e, ToolCall)] == TWO_CALLS
+
+
+def test_the_family_is_the_first_marker_a_template_writes_a_call_with() -> None:
+    qwen3_coder = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>"
+    assert family_syntax(qwen3_coder, "") is None  # `<function=` inside `<tool_call>`
+    functionary = '<function=f>{"x": 1}</function>'
+    assert family_syntax(functionary, "<|python_tag|>") == syntax_named("functionary")
+    assert family_syntax('{"name": "f"}', "{{ '<|python_tag|>' }}") == syntax_named("llama3")
+    assert family_syntax("", "plain ChatML") is None
