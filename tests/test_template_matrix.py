@@ -137,7 +137,7 @@ def check_tool_round(template: ChatTemplate, text: str) -> str | None:
 # Where an answer ends in the rendered history: a call with no closing marker runs to
 # the end of the model's answer, which these end-of-turn texts stand for.
 TURN_ENDS = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|message_sep|>",
-             "<|im_end|>")
+             "<|im_end|>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>")
 
 
 def check_family_call(template: ChatTemplate, after_question: str) -> str | None:

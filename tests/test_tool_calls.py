@@ -73,12 +73,34 @@ ANSWERS = {
     "seed": "Sure.<seed:tool_call>\n<function=get_weather>\n<parameter=city>Paris</parameter>\n"
             "<parameter=days>3</parameter>\n</function>\n<function=search>\n<parameter=query>"
             "12</parameter>\n</function>\n</seed:tool_call>",
+    "hunyuan": "Sure.<tool_calls:opensource>\n<tool_call:opensource>get_weather"
+               "<tool_sep:opensource>\n<arg_key:opensource>city</arg_key:opensource>\n"
+               "<arg_value:opensource>Paris</arg_value:opensource>\n<arg_key:opensource>days"
+               "</arg_key:opensource>\n<arg_value:opensource>3</arg_value:opensource>\n"
+               "</tool_call:opensource>\n<tool_call:opensource>search<tool_sep:opensource>\n"
+               "<arg_key:opensource>query</arg_key:opensource>\n<arg_value:opensource>12"
+               "</arg_value:opensource>\n</tool_call:opensource>\n</tool_calls:opensource>",
+    "kimi-k3": 'Sure.<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+               '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
+               '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>'
+               '<|close|>call<|sep|><|open|>call tool="search" index="2"<|sep|><|open|>argument '
+               'key="query" type="string"<|sep|>12<|close|>argument<|sep|><|close|>call<|sep|>'
+               "<|close|>tools<|sep|>",
+    "muse": 'Sure.<atem:function_calls>\n<atem:invoke name="get_weather">\n<atem:parameter '
+            'name="city">Paris</atem:parameter>\n<atem:parameter name="days">3'
+            '</atem:parameter>\n</atem:invoke>\n<atem:invoke name="search">\n<atem:parameter '
+            'name="query">12</atem:parameter>\n</atem:invoke>\n</atem:function_calls>',
+    "command-r-plus": 'Sure.Action:\n```json\n[{"tool_name": "get_weather", "parameters": '
+                      '{"city": "Paris", "days": 3}}, {"tool_name": "search", "parameters": '
+                      '{"query": "12"}}]\n```',
 }
 # families that write one call per marker pair, or whose body holds one call
 ONE_CALL = {
     "gigachat": 'Sure.<|function_call|>{"name": "get_weather", "arguments": {"city": "Paris", '
                 '"days": 3}}',
     "functionary": 'Sure.<function=get_weather>{"city": "Paris", "days": 3}</function>',
+    "minicpm": 'Sure.<function name="get_weather"><param name="city">Paris</param>'
+               '<param name="days">3</param></function>',
     "firefunction": 'Sure. functools[{"name": "get_weather", "arguments": {"city": "Paris", '
                     '"days": 3}}]',
 }

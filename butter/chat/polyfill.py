@@ -131,7 +131,7 @@ def probe(render: Render, source: str = "") -> TemplateCapabilities:
         system_role=system_role, tools=tools, tool_calls="string_arguments" in found,
         null_content=null_content, tools_list=tools_list, reasoning=reasoning,
         empty_assistant=empty_assistant, inner_system=inner_system,
-        call_family=_family(rendered_call, source), **found)
+        call_family=_family(rendered_call.partition(_USER)[2], source), **found)
 
 
 def _family(rendered_call: str, source: str) -> str | None:

@@ -336,6 +336,73 @@ def _pythonic(body: str, tools: ToolSchemas) -> Parsed:
     return _calls(pairs, tools)
 
 
+_HY_SUFFIX = re.compile(r"(</?[a-z_]+):opensource>")
+_HY_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def _hunyuan(body: str, tools: ToolSchemas) -> Parsed:
+    """Hunyuan 3: GLM's key/value calls with `:opensource` on every tag, `<tool_sep>`
+    after the name."""
+    plain = _HY_SUFFIX.sub(r"\1>", body)
+    if not _whole(_HY_CALL, plain):
+        return None
+    calls: list[tuple[str, str]] = []
+    for inner in _HY_CALL.findall(plain):
+        found = _key_value_call(inner.replace("<tool_sep>", ""), tools)
+        if found is None:
+            return None
+        calls += found
+    return calls
+
+
+_PARAM = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.DOTALL)
+
+
+def _minicpm(body: str, tools: ToolSchemas) -> Parsed:
+    """MiniCPM5: `<function name="f"><param name="k">v</param></function>`."""
+    name, found, inner = body.partition('">')
+    if not found or _PARAM.sub("", inner).strip():
+        return None
+    return _calls([(name, _named_parameters(_PARAM, inner, name, tools))], tools)
+
+
+def _prefixed_invoke(prefix: str) -> BodyParser:
+    """`_invoke`'s markup with every tag name prefixed (muse-glimmer's `atem:`)."""
+    def parse(body: str, tools: ToolSchemas) -> Parsed:
+        return _invoke(body.replace(f"<{prefix}", "<").replace(f"</{prefix}", "</"), tools)
+
+    return parse
+
+
+_K3_CALL = re.compile(r'<\|open\|>call tool="([^"]+)"[^<]*<\|sep\|>(.*?)'
+                      r"<\|close\|>call<\|sep\|>", re.DOTALL)
+_K3_ARGUMENT = re.compile(r'<\|open\|>argument key="([^"]+)" type="([^"]+)"<\|sep\|>(.*?)'
+                          r"<\|close\|>argument<\|sep\|>", re.DOTALL)
+
+
+def _kimi_k3(body: str, tools: ToolSchemas) -> Parsed:
+    """Kimi K3: `<|open|>call tool="f" index="1"<|sep|>` then `<|open|>argument key="k"
+    type="string"<|sep|>v<|close|>argument<|sep|>` for each argument, `<|close|>call<|sep|>`."""
+    if not _whole(_K3_CALL, body):
+        return None
+    pairs = []
+    for name, inner in _K3_CALL.findall(body):
+        if _K3_ARGUMENT.sub("", inner).strip():
+            return None
+        pairs.append((name, {key: value if kind == "string" else typed_value(value, None)
+                             for key, kind, value in _K3_ARGUMENT.findall(inner)}))
+    return _calls(pairs, tools)
+
+
+_FENCE = re.compile(r"\A\s*```(?:json)?\s*(.*?)\s*```\s*\Z", re.DOTALL)
+
+
+def _fenced_json_calls(body: str, tools: ToolSchemas) -> Parsed:
+    """Command R+: `Action:` then a fenced json block of `tool_name` / `parameters`."""
+    fenced = _FENCE.match(body)
+    return None if fenced is None else json_calls(fenced.group(1), tools)
+
+
 # The families other than `<tool_call>`, in the order they are looked for.
 FAMILIES = (
     CallSyntax("mistral", "[TOOL_CALLS]", None, _mistral, ("[ARGS]", "[CALL_ID]")),
@@ -360,6 +427,13 @@ FAMILIES = (
     CallSyntax("minimax", "<minimax:tool_call>", "</minimax:tool_call>", _invoke),
     CallSyntax("seed", "<seed:tool_call>", "</seed:tool_call>", parse_tool_call_body),
     CallSyntax("functionary", "<function=", "</function>", _functionary),
+    CallSyntax("hunyuan", "<tool_calls:opensource>", "</tool_calls:opensource>", _hunyuan),
+    CallSyntax("minicpm", '<function name="', "</function>", _minicpm),
+    CallSyntax("muse", "<atem:function_calls>", "</atem:function_calls>",
+               _prefixed_invoke("atem:")),
+    CallSyntax("kimi-k3", "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", _kimi_k3,
+               ("<|open|>", "<|close|>", "<|sep|>")),
+    CallSyntax("command-r-plus", "Action:", None, _fenced_json_calls),
     CallSyntax("firefunction", "functools", None, json_calls),
 )
 
