@@ -7,6 +7,7 @@ max_tokens is reached.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -229,3 +230,67 @@ def test_tokenizer_routes_and_ollama_on_both_backends(contract_server: ServerPro
     lines = [json.loads(line) for line in
              httpx.post(f"{base}/api/chat", json=chat).text.splitlines()]
     assert lines[-1]["done"] and not any(line["done"] for line in lines[:-1])
+
+
+MISTRAL_STYLE = (  # a template that writes its calls in Mistral's markup (v11 on)
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}{% for c in m.tool_calls %}"
+    "[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments | tojson }}"
+    "{% endfor %}</s>{% elif m.role == 'assistant' %}{{ m.content }}</s>"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}"
+    "{% endfor %}"
+)
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("kind", ["gguf", "mlx"])
+def test_a_familys_own_markup_becomes_tool_calls(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The template writes Mistral's markup, so a model answering in it is understood, on
+    either backend: the answer (forced here through llama-server's `grammar`) comes back
+    as a tool call, whole and streamed, with llama-server's `timings` and
+    `prompt_progress`; no markup reaches the content, and the request log says
+    `finish=tool_calls`."""
+    template = tmp_path / "mistral-style.jinja"
+    template.write_text(MISTRAL_STYLE)
+    server = ServerProcess(["--model", str(request.getfixturevalue(f"tiny_{kind}")),
+                            "--chat-template", str(template), "--alias", "tiny"])
+    try:
+        meta = httpx.get(f"{server.api}/models").json()["data"][0]["meta"]
+        assert meta["chat_template_capabilities"]["call_family"] == "mistral"
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}],
+                "tools": [WEATHER], "max_tokens": 40,
+                "grammar": 'root ::= "[TOOL_CALLS]get_weather[ARGS]{\\"city\\": \\"Paris\\"}"'}
+        whole = httpx.post(f"{server.api}/chat/completions", json=body, timeout=60).json()
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert whole["timings"]["predicted_n"] == whole["usage"]["completion_tokens"]
+        streamed = httpx.post(f"{server.api}/chat/completions", timeout=60, json={
+            **body, "stream": True, "return_progress": True}).text
+        chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.splitlines()
+                  if line.startswith("data: {")]
+        assert any("prompt_progress" in chunk for chunk in chunks)
+        deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+        assert "".join(delta.get("content") or "" for delta in deltas) == ""
+        calls = [part for delta in deltas for part in delta.get("tool_calls") or []]
+        assert [part["function"]["name"] for part in calls if "name" in part["function"]] == [
+            "get_weather"]
+        assert json.loads("".join(part["function"]["arguments"] for part in calls)) == {
+            "city": "Paris"}
+        assert [chunk["choices"][0]["finish_reason"] for chunk in chunks
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"]] == ["tool_calls"]
+        _wait_for_log(server, "/v1/chat/completions finish=tool_calls", count=2)
+    finally:
+        server.stop()
+
+
+def _wait_for_log(server: ServerProcess, text: str, *, count: int) -> None:
+    """The request log reaches the pipe a moment after the response."""
+    deadline = time.monotonic() + 30
+    while sum(text in line for line in server.output) < count:
+        assert time.monotonic() < deadline, "".join(server.output[-5:])
+        time.sleep(0.05)
