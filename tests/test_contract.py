@@ -240,31 +240,49 @@ MISTRAL_STYLE = (  # a template that writes its calls in Mistral's markup (v11 o
     "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]{% endif %}"
     "{% endfor %}"
 )
+HARMONY_STYLE = (  # gpt-oss's: messages on channels, a call addressed to its function
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+    "{% for c in m.tool_calls %}<|start|>assistant to=functions.{{ c.function.name }}"
+    "<|channel|>commentary json<|message|>{{ c.function.arguments | tojson }}<|call|>"
+    "{% endfor %}{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final"
+    "<|message|>{{ m.content }}<|end|>{% else %}<|start|>{{ m.role }}<|message|>"
+    "{{ m.content }}<|end|>{% endif %}{% endfor %}<|start|>assistant"
+)
+# family → its template, and an answer in its markup: (GBNF literal, reasoning in it)
+FAMILY_CASES = {
+    "mistral": (MISTRAL_STYLE, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', ""),
+    "harmony": (HARMONY_STYLE, "<|channel|>analysis<|message|>Need it.<|end|><|start|>"
+                "assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                '<|message|>{"city": "Paris"}', "Need it."),
+}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
 @pytest.mark.parametrize("kind", ["gguf", "mlx"])
 def test_a_familys_own_markup_becomes_tool_calls(
-        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
-    """The template writes Mistral's markup, so a model answering in it is understood, on
-    either backend: the answer (forced here through llama-server's `grammar`) comes back
-    as a tool call, whole and streamed, with llama-server's `timings` and
-    `prompt_progress`; no markup reaches the content, and the request log says
-    `finish=tool_calls`."""
-    template = tmp_path / "mistral-style.jinja"
-    template.write_text(MISTRAL_STYLE)
+        kind: str, family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """The template writes a family's markup (Mistral's, gpt-oss's harmony), so a model
+    answering in it is understood, on either backend: the answer (forced here through
+    llama-server's `grammar`) comes back as a tool call (and reasoning), whole and
+    streamed, with llama-server's `timings` and `prompt_progress`; no markup reaches the
+    content, and the request log says `finish=tool_calls`."""
+    source, answer, reasoning = FAMILY_CASES[family]
+    template = tmp_path / f"{family}.jinja"
+    template.write_text(source)
     server = ServerProcess(["--model", str(request.getfixturevalue(f"tiny_{kind}")),
                             "--chat-template", str(template), "--alias", "tiny"])
     try:
         meta = httpx.get(f"{server.api}/models").json()["data"][0]["meta"]
-        assert meta["chat_template_capabilities"]["call_family"] == "mistral"
+        assert meta["chat_template_capabilities"]["call_family"] == family
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Weather?"}],
-                "tools": [WEATHER], "max_tokens": 40,
-                "grammar": 'root ::= "[TOOL_CALLS]get_weather[ARGS]{\\"city\\": \\"Paris\\"}"'}
+                "tools": [WEATHER], "max_tokens": 400,
+                "grammar": f"root ::= {json.dumps(answer)}"}
         whole = httpx.post(f"{server.api}/chat/completions", json=body, timeout=60).json()
         choice = whole["choices"][0]
         assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"]
+        assert (choice["message"].get("reasoning_content") or "") == reasoning
         (call,) = choice["message"]["tool_calls"]
         assert call["function"]["name"] == "get_weather"
         assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
@@ -276,6 +294,7 @@ def test_a_familys_own_markup_becomes_tool_calls(
         assert any("prompt_progress" in chunk for chunk in chunks)
         deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
         assert "".join(delta.get("content") or "" for delta in deltas) == ""
+        assert "".join(delta.get("reasoning_content") or "" for delta in deltas) == reasoning
         calls = [part for delta in deltas for part in delta.get("tool_calls") or []]
         assert [part["function"]["name"] for part in calls if "name" in part["function"]] == [
             "get_weather"]

@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from butter.chat.answers import answer_parser
 from butter.chat.markup import (
     CALL_CLOSE,
     CALL_OPEN,
     ContentDelta,
-    MarkupParser,
     ToolCall,
     parse_bare_json_calls,
     parse_tool_call_body,
@@ -137,7 +137,10 @@ def check_tool_round(template: ChatTemplate, text: str) -> str | None:
 # Where an answer ends in the rendered history: a call with no closing marker runs to
 # the end of the model's answer, which these end-of-turn texts stand for.
 TURN_ENDS = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|message_sep|>",
-             "<|im_end|>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>")
+             "<|im_end|>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|call|>")
+# Where the model's answer begins, for a family whose marker is not its first word: what
+# the generation prompt ends with (gpt-oss writes the recipient before the channel).
+ANSWER_AFTER = {"harmony": "<|start|>assistant"}
 
 
 def check_family_call(template: ChatTemplate, after_question: str) -> str | None:
@@ -145,7 +148,9 @@ def check_family_call(template: ChatTemplate, after_question: str) -> str | None
     or the end of its answer), fed to the markup parser a character at a time, gives the
     call and no markup as content."""
     family = template.call_syntaxes[-1]
-    answer = after_question[after_question.index(family.open):]
+    after = ANSWER_AFTER.get(family.family)
+    answer = (after_question.partition(after)[2] if after
+              else after_question[after_question.index(family.open):])
     if family.close is not None:
         # (DeepSeek-R1-Distill's templates drop the close the model writes: put it back.)
         end = answer.find(family.close)
@@ -153,7 +158,7 @@ def check_family_call(template: ChatTemplate, after_question: str) -> str | None
             "<｜tool▁outputs▁begin｜>")[0]) + family.close
     else:
         answer = answer[:min(i for i in (answer.find(end) for end in TURN_ENDS) if i > 0)]
-    parser = MarkupParser(SCHEMAS, syntaxes=template.call_syntaxes)
+    parser = answer_parser(SCHEMAS, syntaxes=template.call_syntaxes)
     events = [event for char in answer for event in parser.feed(char)] + parser.finish()
     calls = [(event.name, event.arguments) for event in events if isinstance(event, ToolCall)]
     content = "".join(event.text for event in events if isinstance(event, ContentDelta))
@@ -210,3 +215,20 @@ def test_capabilities_are_probed_not_assumed(templates: list[Path]) -> None:
     assert 3 <= sum(caps.bare_json_calls for caps in seen) < len(seen) // 2  # Llama 3.x...
     families = {caps.call_family for caps in seen}
     assert {None, "mistral", "deepseek", "kimi", "command-r", "llama3"} <= families
+
+
+def test_reasoning_before_a_call_reaches_templates_that_read_it_as_thinking(
+        templates: list[Path]) -> None:
+    """gpt-oss (and LFM2.5) read an earlier turn's reasoning from `thinking`, where
+    clients send `reasoning_content`: the analysis before a call reaches the prompt."""
+    reasoning_round = [{**message, "reasoning_content": "I should look it up."}
+                       if message["role"] == "assistant" else message for message in TOOL_ROUND]
+    readers = []
+    for path in templates:
+        template = ChatTemplate(TemplateChoice(path.read_text("utf-8"), path.name),
+                                bos_token="<s>", eos_token="</s>")
+        text = render(template, {"messages": reasoning_round, "tools": TOOLS})
+        if template.capabilities.thinking_field:
+            readers.append(path.stem)
+            assert "I should look it up." in text, path.name
+    assert "openai-gpt-oss-120b" in readers

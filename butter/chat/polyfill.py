@@ -59,6 +59,8 @@ class TemplateCapabilities:
     null_content: bool = True  # takes an assistant turn whose content is None
     tools_list: bool = False  # needs `tools` to be a list even when none are offered
     reasoning: bool = False  # renders earlier turns' reasoning_content
+    # Renders it given as `thinking` instead (gpt-oss: before a tool call the model made).
+    thinking_field: bool = False
     empty_assistant: bool = True  # takes an assistant turn with no content and no calls
     inner_system: bool = True  # renders system messages after the first turn
     # Writes an assistant's call as a bare JSON object (Llama 3.x, Mistral Nemo): the
@@ -127,11 +129,29 @@ def probe(render: Render, source: str = "") -> TemplateCapabilities:
     reasoning = _renders(render, [*user, {"role": "assistant", "content": "ok",
                                           "reasoning_content": _REASONING}, *user],
                          no_tools, _REASONING)
+    thinking_field = not reasoning and _renders_thinking(render, user, offered, content, found)
     return TemplateCapabilities(
         system_role=system_role, tools=tools, tool_calls="string_arguments" in found,
         null_content=null_content, tools_list=tools_list, reasoning=reasoning,
+        thinking_field=thinking_field,
         empty_assistant=empty_assistant, inner_system=inner_system,
         call_family=_family(rendered_call.partition(_USER)[2], source), **found)
+
+
+def _renders_thinking(render: Render, user: Messages, tools: Tools, content: str | None,
+                      found: dict[str, bool]) -> bool:
+    """Earlier reasoning given as `thinking`: after a plain answer, or before a call."""
+    answered = [*user, {"role": "assistant", "content": "ok", "thinking": _REASONING}, *user]
+    if _renders(render, answered, tools, _REASONING):
+        return True
+    if "string_arguments" not in found:
+        return False
+    arguments: Any = json.dumps({"x": _VALUE}) if found["string_arguments"] else {"x": _VALUE}
+    call_id = short_tool_call_id("call_probe_1") if found["short_tool_call_ids"] else (
+        "call_probe_1")
+    round_ = _tool_round(arguments, call_id, content)
+    round_[1]["thinking"] = _REASONING
+    return _renders(render, round_, tools, _REASONING)
 
 
 def _family(rendered_call: str, source: str) -> str | None:
@@ -252,6 +272,9 @@ def adapt(messages: Messages, tools: Tools, caps: TemplateCapabilities) -> tuple
                 message["tool_call_id"] = short_tool_call_id(str(message["tool_call_id"]))
         if message.get("content") is None and not caps.null_content:
             message["content"] = ""
+        if caps.thinking_field and message.get("reasoning_content") and not (
+                message.get("tool_calls") and message.get("content")):  # (not both: gpt-oss)
+            message["thinking"] = message.pop("reasoning_content")
         if (message["role"] == "assistant" and not caps.empty_assistant
                 and not message.get("content") and not message.get("tool_calls")):
             continue  # an empty turn says nothing; the template refuses to render one

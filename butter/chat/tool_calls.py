@@ -101,6 +101,13 @@ def json_calls(text: str, tools: ToolSchemas) -> Parsed:
     return _calls((pair for pair in pairs if pair is not None), tools)
 
 
+def json_arguments_call(name: str, arguments: str, tools: ToolSchemas
+                        ) -> tuple[str, str] | None:
+    """A call whose function is named apart from its arguments' JSON text."""
+    found = _calls([(name.strip(), _json(arguments))], tools)
+    return None if found is None else found[0]
+
+
 def _properties(schema: Mapping[str, Any] | None) -> Mapping[str, Any]:
     properties = (schema or {}).get("properties")
     return properties if isinstance(properties, Mapping) else {}
@@ -403,6 +410,18 @@ def _fenced_json_calls(body: str, tools: ToolSchemas) -> Parsed:
     return None if fenced is None else json_calls(fenced.group(1), tools)
 
 
+_HARMONY_CALL = re.compile(r"\A\s*\w*\s*to=functions\.([^\s<]+)[^<]*(?:<\|constrain\|>\S*\s*)?"
+                           r"<\|message\|>(.*?)(?:<\|call\|>)?\s*\Z", re.DOTALL)
+
+
+def _harmony(body: str, tools: ToolSchemas) -> Parsed:
+    """gpt-oss, after `<|channel|>`: `commentary to=functions.f <|constrain|>json<|message|>{...}`.
+    (A harmony answer is read whole by chat/harmony.py; this reads one call message.)"""
+    found = _HARMONY_CALL.match(body)
+    call = None if found is None else json_arguments_call(found.group(1), found.group(2), tools)
+    return None if call is None else [call]
+
+
 # The families other than `<tool_call>`, in the order they are looked for.
 FAMILIES = (
     CallSyntax("mistral", "[TOOL_CALLS]", None, _mistral, ("[ARGS]", "[CALL_ID]")),
@@ -434,6 +453,9 @@ FAMILIES = (
     CallSyntax("kimi-k3", "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", _kimi_k3,
                ("<|open|>", "<|close|>", "<|sep|>")),
     CallSyntax("command-r-plus", "Action:", None, _fenced_json_calls),
+    CallSyntax("harmony", "<|channel|>", None, _harmony,
+               ("<|message|>", "<|start|>", "<|constrain|>", "<|end|>", "<|return|>",
+                "<|call|>")),
     CallSyntax("firefunction", "functools", None, json_calls),
 )
 

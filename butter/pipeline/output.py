@@ -6,8 +6,9 @@ import uuid
 
 import attrs
 
+from butter.chat.answers import answer_parser
 from butter.chat.detokenize import IncrementalDetokenizer
-from butter.chat.markup import ContentDelta, Event, MarkupParser, ReasoningDelta, ToolCall
+from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import ChatPrompt, Logprobs
 from butter.chat.stops import StopMatcher
 from butter.pipeline.prepare import PreparedGeneration
@@ -24,7 +25,7 @@ class OutputAssembler:
         # Markup (think blocks, tool calls) belongs to a chat turn; a raw prompt's
         # completion is text as it came.
         self._parses_markup = isinstance(prepared.request.prompt, ChatPrompt)
-        self._markup = MarkupParser(
+        self._markup = answer_parser(
             prepared.request.tool_schemas, start_in_reasoning=prepared.starts_in_reasoning,
             new_call_id=lambda _: f"{call_id_prefix}{uuid.uuid4().hex[:24]}",
             bare_json_calls=prepared.bare_json_calls, syntaxes=prepared.call_syntaxes,

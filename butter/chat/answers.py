@@ -1,0 +1,35 @@
+"""The parser of a chat answer: harmony's messages for gpt-oss, markup for the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from butter.chat.harmony import HarmonyParser
+from butter.chat.markup import Event, MarkupParser
+from butter.chat.tool_calls import TOOL_CALL, CallSyntax, ToolSchemas
+
+HARMONY = "harmony"
+
+
+class AnswerParser(Protocol):
+    """Generated text in, content / reasoning / tool-call events out."""
+
+    @property
+    def tool_calls(self) -> int: ...
+
+    def feed(self, text: str) -> list[Event]: ...
+
+    def finish(self) -> list[Event]: ...
+
+
+def answer_parser(
+    tools: ToolSchemas | None, *, syntaxes: Sequence[CallSyntax] = (TOOL_CALL,),
+    start_in_reasoning: bool = False, bare_json_calls: bool = False,
+    new_call_id: Callable[[int], str] = lambda index: f"call_{index}",
+) -> AnswerParser:
+    if any(syntax.family == HARMONY for syntax in syntaxes):
+        return HarmonyParser(tools, new_call_id=new_call_id)
+    return MarkupParser(tools, start_in_reasoning=start_in_reasoning,
+                        new_call_id=new_call_id, bare_json_calls=bare_json_calls,
+                        syntaxes=syntaxes)

@@ -1,0 +1,153 @@
+"""gpt-oss's harmony format (pure): an answer is a run of messages, each a header, then
+`<|message|>`, then its text, ended by `<|end|>`, `<|return|>` or `<|call|>` (or by the next
+message's `<|start|>`). The header names the channel and, for a tool call, the recipient:
+
+    <|channel|>analysis<|message|>We need the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json
+    <|message|>{"city": "Paris"}<|call|>
+
+`analysis` is reasoning, `final` (and `commentary` to no one) is the answer, and a message
+to `functions.NAME` is a tool call whose text is the arguments' JSON. An answer that does
+not begin with a header is plain content. Fed in any split, the events are the same.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
+from butter.chat.tool_calls import ToolSchemas, json_arguments_call
+
+CHANNEL, MESSAGE, START, CONSTRAIN = "<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"
+ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# Every marker the parser reads (the backends write them out as text).
+MARKERS = (CHANNEL, MESSAGE, START, CONSTRAIN, *ENDS)
+# A header opens with a marker, or with the recipient (the prompt ends `<|start|>assistant`).
+_HEADER_STARTS = (CHANNEL, START, "to=")
+_LONGEST_HEADER = 256  # characters: past this without `<|message|>`, it was no header
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+_FUNCTIONS = "functions."
+
+
+class HarmonyParser:
+    """Harmony messages → reasoning, content and tool-call events (MarkupParser's seam)."""
+
+    def __init__(self, tools: ToolSchemas | None = None, *,
+                 new_call_id: Callable[[int], str] = lambda index: f"call_{index}") -> None:
+        self._tools = tools or {}
+        self._new_call_id = new_call_id
+        self._pending = ""
+        self._in_header = True
+        self._kind = "content"  # of the open message: content, reasoning or call
+        self._function = ""  # the open call's function
+        self._body = ""  # the open call's text
+        self._calls = 0
+
+    @property
+    def tool_calls(self) -> int:
+        return self._calls
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        pending, self._pending = self._pending, ""
+        if self._in_header:  # a header cut short is markup, not text; anything else is
+            if "<|" not in pending:
+                self._kind = "content"
+                self._emit(pending, events)
+            return events
+        self._emit(pending, events)
+        self._close(events)
+        return events
+
+    # ------------------------------------------------------------------ internals
+
+    def _step(self, events: list[Event]) -> bool:
+        """Consume what can be decided; False when more text is needed."""
+        if self._in_header:
+            index = self._pending.find(MESSAGE)
+            if index < 0:
+                if _may_be_header(self._pending):
+                    return False
+                self._in_header, self._kind = False, "content"  # no header: plain text
+                return True
+            self._open(self._pending[:index])
+            self._pending = self._pending[index + len(MESSAGE):]
+            return True
+        found = _earliest(self._pending, (*ENDS, START, CHANNEL))
+        if found is None:
+            keep = _partial_suffix(self._pending, (*ENDS, START, CHANNEL))
+            ready = self._pending[:len(self._pending) - keep]
+            self._pending = self._pending[len(ready):]
+            self._emit(ready, events)
+            return False
+        index, tag = found
+        self._emit(self._pending[:index], events)
+        self._close(events)
+        self._pending = self._pending[index + (len(tag) if tag in ENDS else 0):]
+        self._in_header = True
+        return True
+
+    def _open(self, header: str) -> None:
+        self._in_header = False
+        recipient = _RECIPIENT.search(header)
+        channel = _CHANNEL_NAME.search(header)
+        if recipient and recipient.group(1).startswith(_FUNCTIONS):
+            self._kind, self._function, self._body = (
+                "call", recipient.group(1).removeprefix(_FUNCTIONS), "")
+        elif channel and channel.group(1) == "analysis":
+            self._kind = "reasoning"
+        else:
+            self._kind = "content"
+
+    def _emit(self, text: str, events: list[Event]) -> None:
+        if not text:
+            return
+        if self._kind == "call":
+            self._body += text
+        elif self._kind == "reasoning":
+            events.append(ReasoningDelta(text))
+        else:
+            events.append(ContentDelta(text))
+
+    def _close(self, events: list[Event]) -> None:
+        if self._kind != "call":
+            return
+        self._kind = "content"
+        body, self._body = self._body, ""
+        parsed = json_arguments_call(self._function, body, self._tools)
+        if parsed is None:  # not a call of an offered tool: its text, as it came
+            self._emit(body, events)
+            return
+        name, arguments = parsed
+        events.append(ToolCall(index=self._calls, id=self._new_call_id(self._calls),
+                               name=name, arguments=arguments))
+        self._calls += 1
+
+
+def _may_be_header(text: str) -> bool:
+    """`text` is (the start of) a message header: a marker or a recipient first, and not
+    too long."""
+    start = text.lstrip()
+    return len(text) <= _LONGEST_HEADER and (
+        not start or any(start.startswith(opening) or opening.startswith(start)
+                         for opening in _HEADER_STARTS))
+
+
+def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    found = [(index, tag) for tag in tags if (index := text.find(tag)) >= 0]
+    return min(found) if found else None
+
+
+def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could still grow into a tag."""
+    return max((length for tag in tags for length in range(1, min(len(tag), len(text) + 1))
+                if text.endswith(tag[:length])), default=0)
