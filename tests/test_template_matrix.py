@@ -140,7 +140,7 @@ TURN_ENDS = ("</s>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|message_s
              "<|im_end|>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|call|>")
 # Where the model's answer begins, for a family whose marker is not its first word: what
 # the generation prompt ends with (gpt-oss writes the recipient before the channel).
-ANSWER_AFTER = {"harmony": "<|start|>assistant"}
+ANSWER_AFTER = {"harmony": "<|start|>assistant", "functionary-v3.2": ">>>"}
 
 
 def check_family_call(template: ChatTemplate, after_question: str) -> str | None:

@@ -121,7 +121,8 @@ def parsed(syntax: CallSyntax, text: str, step: int) -> tuple[str, list[tuple[st
 
 
 def test_every_family_is_tested() -> None:
-    others = {"deepseek-v4", "harmony"}  # (below, and tests/test_harmony.py)
+    # (below, tests/test_harmony.py and tests/test_recipients.py)
+    others = {"deepseek-v4", "harmony", "functionary-v3.2"}
     assert {syntax.family for syntax in FAMILIES} == {*ANSWERS, *ONE_CALL, *others}
 
 

@@ -1,4 +1,5 @@
-"""The parser of a chat answer: harmony's messages for gpt-oss, markup for the rest."""
+"""The parser of a chat answer: harmony's messages for gpt-oss, addressed messages for
+Functionary v3.2, markup for the rest."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ from typing import Protocol
 
 from butter.chat.harmony import HarmonyParser
 from butter.chat.markup import Event, MarkupParser
+from butter.chat.recipients import RecipientParser
 from butter.chat.tool_calls import TOOL_CALL, CallSyntax, ToolSchemas
 
 HARMONY = "harmony"
+RECIPIENTS = "functionary-v3.2"
 
 
 class AnswerParser(Protocol):
@@ -28,8 +31,11 @@ def answer_parser(
     start_in_reasoning: bool = False, bare_json_calls: bool = False,
     new_call_id: Callable[[int], str] = lambda index: f"call_{index}",
 ) -> AnswerParser:
-    if any(syntax.family == HARMONY for syntax in syntaxes):
+    families = {syntax.family for syntax in syntaxes}
+    if HARMONY in families:
         return HarmonyParser(tools, new_call_id=new_call_id)
+    if RECIPIENTS in families:
+        return RecipientParser(tools, new_call_id=new_call_id)
     return MarkupParser(tools, start_in_reasoning=start_in_reasoning,
                         new_call_id=new_call_id, bare_json_calls=bare_json_calls,
                         syntaxes=syntaxes)

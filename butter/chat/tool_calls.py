@@ -422,6 +422,14 @@ def _harmony(body: str, tools: ToolSchemas) -> Parsed:
     return None if call is None else [call]
 
 
+def _addressed(body: str, tools: ToolSchemas) -> Parsed:
+    """Functionary v3.2, after `>>>`: `f` on its own line, then the arguments' JSON (an
+    answer is read whole by chat/recipients.py; this reads one call message)."""
+    name, newline, arguments = body.partition("\n")
+    call = json_arguments_call(name, arguments, tools) if newline else None
+    return None if call is None else [call]
+
+
 # The families other than `<tool_call>`, in the order they are looked for.
 FAMILIES = (
     CallSyntax("mistral", "[TOOL_CALLS]", None, _mistral, ("[ARGS]", "[CALL_ID]")),
@@ -453,6 +461,7 @@ FAMILIES = (
     CallSyntax("kimi-k3", "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", _kimi_k3,
                ("<|open|>", "<|close|>", "<|sep|>")),
     CallSyntax("command-r-plus", "Action:", None, _fenced_json_calls),
+    CallSyntax("functionary-v3.2", ">>>", None, _addressed),
     CallSyntax("harmony", "<|channel|>", None, _harmony,
                ("<|message|>", "<|start|>", "<|constrain|>", "<|end|>", "<|return|>",
                 "<|call|>")),

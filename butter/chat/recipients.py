@@ -1,0 +1,115 @@
+"""Functionary v3.2's answers (pure): messages addressed to a recipient, each
+`>>>recipient` on a line of its own and then its text. The generation prompt ends with
+`>>>`, so an answer opens with its first recipient:
+
+    all
+    Let me check.>>>get_weather
+    {"city": "Paris"}
+
+`all` is the answer to the user; any other recipient is a function, and the message's
+text its arguments' JSON. An answer whose first line is no recipient is plain content.
+Fed in any split, the events are the same.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from butter.chat.markup import ContentDelta, Event, ToolCall
+from butter.chat.tool_calls import ToolSchemas, json_arguments_call
+
+NEXT = ">>>"
+TO_USER = "all"
+_RECIPIENT = re.compile(r"\A[\w.-]{1,64}\Z")
+_LONGEST_RECIPIENT = 64
+
+
+class RecipientParser:
+    """Addressed messages → content and tool-call events (MarkupParser's seam)."""
+
+    def __init__(self, tools: ToolSchemas | None = None, *,
+                 new_call_id: Callable[[int], str] = lambda index: f"call_{index}") -> None:
+        self._tools = tools or {}
+        self._new_call_id = new_call_id
+        self._pending = ""
+        self._in_header = True  # reading a recipient
+        self._function: str | None = None  # the open message's, None: to the user
+        self._body = ""  # the open call's text
+        self._calls = 0
+
+    @property
+    def tool_calls(self) -> int:
+        return self._calls
+
+    def feed(self, text: str) -> list[Event]:
+        self._pending += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        pending, self._pending = self._pending, ""
+        if self._in_header:
+            self._in_header, self._function = False, None
+            if pending.strip() != TO_USER:  # a lone recipient says nothing
+                self._emit(pending, events)
+            return events
+        self._emit(pending, events)
+        self._close(events)
+        return events
+
+    def _step(self, events: list[Event]) -> bool:
+        """Consume what can be decided; False when more text is needed."""
+        if self._in_header:
+            line, newline, rest = self._pending.partition("\n")
+            if not newline:
+                if len(line) <= _LONGEST_RECIPIENT and (not line or _RECIPIENT.match(line)):
+                    return False
+                self._in_header, self._function = False, None  # no recipient: plain text
+                return True
+            self._in_header = False
+            if _RECIPIENT.match(line.strip()):
+                recipient = line.strip()
+                self._function = None if recipient == TO_USER else recipient
+                self._pending = rest
+            else:
+                self._function = None
+            return True
+        index = self._pending.find(NEXT)
+        if index < 0:
+            keep = next((length for length in (2, 1)
+                         if self._pending.endswith(NEXT[:length])), 0)
+            ready = self._pending[:len(self._pending) - keep]
+            self._pending = self._pending[len(ready):]
+            self._emit(ready, events)
+            return False
+        self._emit(self._pending[:index], events)
+        self._close(events)
+        self._pending = self._pending[index + len(NEXT):]
+        self._in_header = True
+        return True
+
+    def _emit(self, text: str, events: list[Event]) -> None:
+        if not text:
+            return
+        if self._function is not None:
+            self._body += text
+        else:
+            events.append(ContentDelta(text))
+
+    def _close(self, events: list[Event]) -> None:
+        if self._function is None:
+            return
+        function, self._function = self._function, None
+        body, self._body = self._body, ""
+        parsed = json_arguments_call(function, body, self._tools)
+        if parsed is None:  # not a call of an offered tool: as it came
+            events.append(ContentDelta(f"{function}\n{body}"))
+            return
+        name, arguments = parsed
+        events.append(ToolCall(index=self._calls, id=self._new_call_id(self._calls),
+                               name=name, arguments=arguments))
+        self._calls += 1
