@@ -84,3 +84,8 @@ def test_the_answer_parser_is_harmonys_for_gpt_oss_templates() -> None:
     assert harmony is not None
     assert isinstance(answer_parser(TOOLS, syntaxes=(TOOL_CALL, harmony)), HarmonyParser)
     assert isinstance(answer_parser(TOOLS), MarkupParser)
+
+
+def test_text_before_a_marker_is_not_a_header() -> None:
+    text = "Hello there <|message|>"
+    assert parsed(text) == (text, "", [])

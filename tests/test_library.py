@@ -149,5 +149,11 @@ def test_the_model_holders_names_before_their_rename_still_work_and_warn() -> No
         server = butter.ServeServer(host="127.0.0.1", port=0,
                                     backend=butter.FixedModel.__new__(butter.FixedModel))
     assert isinstance(server.holder, butter.FixedModel)
+    with pytest.warns(DeprecationWarning, match="holder"):
+        assert server.backend is server.holder
+    sys.modules.pop("butter.server.backends", None)  # (its warning comes with the import)
+    with pytest.warns(DeprecationWarning, match="holders"):
+        import butter.server.backends as old_module
+    assert old_module.ButterServeBackend is butter.FixedModel
     with pytest.raises(AttributeError):
         butter.NoSuchName  # type: ignore[attr-defined]  # noqa: B018

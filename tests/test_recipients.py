@@ -56,3 +56,11 @@ def test_the_answer_parser_is_this_one_for_functionary_v3_2() -> None:
     family = syntax_named("functionary-v3.2")
     assert family is not None
     assert isinstance(answer_parser(TOOLS, syntaxes=(TOOL_CALL, family)), RecipientParser)
+
+
+def test_an_arrow_in_the_text_stays_text() -> None:
+    """`>>>` in an answer (a doctest, a shift) that addresses no offered function."""
+    for text in ("all\nuse x >>> 2\nreturn y", "all\nIn Python:\n>>> print(1)\n1",
+                 "all\na >>>b"):
+        assert parsed(text) == (text.removeprefix("all\n"), []), text
+        assert parsed(text, [9, 12, 13]) == parsed(text), text

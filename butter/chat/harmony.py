@@ -74,11 +74,12 @@ class HarmonyParser:
         """Consume what can be decided; False when more text is needed."""
         if self._in_header:
             index = self._pending.find(MESSAGE)
-            if index < 0:
-                if _may_be_header(self._pending):
-                    return False
+            header = self._pending if index < 0 else self._pending[:index]
+            if not _may_be_header(header):
                 self._in_header, self._kind = False, "content"  # no header: plain text
                 return True
+            if index < 0:
+                return False
             self._open(self._pending[:index])
             self._pending = self._pending[index + len(MESSAGE):]
             return True

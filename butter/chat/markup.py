@@ -84,6 +84,7 @@ class MarkupParser:
         self._pending = ""
         self._body = ""  # the open tool call's text
         self._lstrip = start_in_reasoning  # drop whitespace right after a tag
+        self._line_blank = True  # nothing but blanks emitted since the last newline
         self._calls = 0
 
     @property
@@ -113,9 +114,20 @@ class MarkupParser:
                 self._emit(ready, events)
                 return events
             index, tag = found
+            if self._mode == "content" and tag in self._opens and self._opens[tag].line_start \
+                    and not self._starts_a_line(self._pending[:index]):
+                # An ordinary word (`Action:`) inside a line: text, not a call.
+                self._emit(self._pending[:index + len(tag)], events)
+                self._pending = self._pending[index + len(tag):]
+                continue
             self._emit(self._pending[:index], events)
             self._pending = self._pending[index + len(tag):]
             self._switch(tag, events)
+
+    def _starts_a_line(self, before: str) -> bool:
+        """Text emitted so far and then `before` leave nothing but blanks on their line."""
+        _, newline, last = before.rpartition("\n")
+        return not last.strip(" \t") and bool(newline or self._line_blank)
 
     def finish(self) -> list[Event]:
         """End of generation: release held text; an unclosed call becomes content."""
@@ -165,6 +177,8 @@ class MarkupParser:
             return
         if self._mode == "content":
             self._bare_possible = False  # the answer has begun: not a bare call
+        _, newline, last = text.rpartition("\n")
+        self._line_blank = not last.strip(" \t") and (bool(newline) or self._line_blank)
         event: Event = ReasoningDelta(text) if self._mode == "reasoning" else ContentDelta(text)
         events.append(event)
 

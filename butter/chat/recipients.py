@@ -34,6 +34,8 @@ class RecipientParser:
         self._new_call_id = new_call_id
         self._pending = ""
         self._in_header = True  # reading a recipient
+        self._marker = ""  # what opened it: nothing (the prompt's `>>>`), or `>>>`
+        self._header = ""  # the open message's `>>>recipient` line, as it came
         self._function: str | None = None  # the open message's, None: to the user
         self._body = ""  # the open call's text
         self._calls = 0
@@ -55,7 +57,7 @@ class RecipientParser:
         if self._in_header:
             self._in_header, self._function = False, None
             if pending.strip() != TO_USER:  # a lone recipient says nothing
-                self._emit(pending, events)
+                self._emit(self._marker + pending, events)
             return events
         self._emit(pending, events)
         self._close(events)
@@ -65,18 +67,18 @@ class RecipientParser:
         """Consume what can be decided; False when more text is needed."""
         if self._in_header:
             line, newline, rest = self._pending.partition("\n")
-            if not newline:
-                if len(line) <= _LONGEST_RECIPIENT and (not line or _RECIPIENT.match(line)):
-                    return False
-                self._in_header, self._function = False, None  # no recipient: plain text
-                return True
+            recipient = line.strip()
+            if not newline and len(line) <= _LONGEST_RECIPIENT and (
+                    not recipient or _RECIPIENT.match(recipient)):
+                return False  # may still be a recipient
             self._in_header = False
-            if _RECIPIENT.match(line.strip()):
-                recipient = line.strip()
+            if newline and _RECIPIENT.match(recipient):
+                self._header = f"{self._marker}{line}\n"
                 self._function = None if recipient == TO_USER else recipient
                 self._pending = rest
-            else:
+            else:  # no recipient: the `>>>` was text
                 self._function = None
+                self._emit(self._marker, events)
             return True
         index = self._pending.find(NEXT)
         if index < 0:
@@ -89,7 +91,7 @@ class RecipientParser:
         self._emit(self._pending[:index], events)
         self._close(events)
         self._pending = self._pending[index + len(NEXT):]
-        self._in_header = True
+        self._in_header, self._marker = True, NEXT
         return True
 
     def _emit(self, text: str, events: list[Event]) -> None:
@@ -107,7 +109,7 @@ class RecipientParser:
         body, self._body = self._body, ""
         parsed = json_arguments_call(function, body, self._tools)
         if parsed is None:  # not a call of an offered tool: as it came
-            events.append(ContentDelta(f"{function}\n{body}"))
+            events.append(ContentDelta(self._header + body))
             return
         name, arguments = parsed
         events.append(ToolCall(index=self._calls, id=self._new_call_id(self._calls),

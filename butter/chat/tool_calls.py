@@ -41,6 +41,8 @@ class CallSyntax:
     close: str | None
     parse: BodyParser
     inner: tuple[str, ...] = ()  # marker texts inside the body
+    # `open` is an ordinary word, a call only where it begins a line (`Action:`).
+    line_start: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -57,21 +59,22 @@ def _calls(pairs: Iterable[tuple[str, Any]], tools: ToolSchemas) -> Parsed:
     calls = []
     for name, arguments in pairs:
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
+            arguments = _json(arguments)
         if not isinstance(name, str) or name not in tools or not isinstance(arguments, dict):
             return None
-        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        try:
+            calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        except (TypeError, ValueError, RecursionError):  # not JSON data, or nested too deep
+            return None
     return calls or None
 
 
 def _json(text: str) -> Any:
-    """The JSON value `text` holds, whitespace aside; None if it holds none."""
+    """The JSON value `text` holds, whitespace aside; None if it holds none (or one nested
+    too deep to read: a model stuck repeating `[` writes those)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -121,32 +124,47 @@ def typed_value(raw: str, schema: Any) -> Any:
     kind = schema.get("type") if isinstance(schema, Mapping) else None
     if kind == "string" or (isinstance(kind, list) and "string" in kind):
         return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
+    parsed = _json(value)
+    return value if parsed is None and value.strip() != "null" else parsed
 
 
-def _named_parameters(pattern: re.Pattern[str], inner: str, name: str,
-                      tools: ToolSchemas) -> dict[str, Any] | None:
-    if name not in tools:
+def _elements(text: str, opening: str, closing: str, *, at_least: int = 1
+              ) -> list[tuple[str, str]] | None:
+    """(attributes, inside) of each `opening ATTRIBUTES>INSIDE closing` element of a text
+    that holds nothing else but white space. Split, not matched: linear in the text, however
+    long or broken the model's output."""
+    head, *parts = text.split(opening)
+    if head.strip() or len(parts) < at_least:
+        return None
+    found = []
+    for part in parts:
+        attributes, opened, rest = part.partition(">")
+        inside, closed, tail = rest.partition(closing)
+        if not (opened and closed) or tail.strip():
+            return None
+        found.append((attributes, inside))
+    return found
+
+
+def _parameters(inner: str, opening: str, closing: str, name: str, tools: ToolSchemas,
+                key: Callable[[str], str] = lambda attributes: attributes.strip()
+                ) -> dict[str, Any] | None:
+    """A call's parameters, written as elements (`<parameter=k>v</parameter>` and the
+    like), typed by the tool's schema; None if anything else is there."""
+    elements = _elements(inner, opening, closing, at_least=0)
+    if elements is None or name not in tools:
         return None
     properties = _properties(tools[name])
-    return {key: typed_value(value, properties.get(key))
-            for key, value in pattern.findall(inner)}
+    return {key(attributes): typed_value(value, properties.get(key(attributes)))
+            for attributes, value in elements}
 
 
-def _whole(pattern: re.Pattern[str], text: str) -> bool:
-    """`text` is nothing but matches of `pattern` (and white space)."""
-    return bool(pattern.search(text)) and not pattern.sub("", text).strip()
+def _quoted(attributes: str) -> str:
+    """`f"` (what follows `name="` up to the tag's end) → f."""
+    return attributes.partition('"')[0]
 
 
 # ---------------------------------------------------------------- <tool_call> bodies
-
-_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
-_KEY_VALUE = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
-
 
 def parse_tool_call_body(body: str, tools: ToolSchemas) -> Parsed:
     """One `<tool_call>` body, in any of its forms:
@@ -180,18 +198,29 @@ def parse_bare_json_calls(text: str, tools: ToolSchemas) -> Parsed:
 def _key_value_call(text: str, tools: ToolSchemas) -> Parsed:
     name, _, rest = text.partition("<arg_key>")
     name = name.strip()
-    rest = "<arg_key>" + rest if rest else ""
-    arguments = _named_parameters(_KEY_VALUE, rest, name, tools)
-    if arguments is None or _KEY_VALUE.sub("", rest).strip():
+    if name not in tools:
         return None
-    return _calls([(name, {key.strip(): value for key, value in arguments.items()})], tools)
+    properties = _properties(tools[name])
+    arguments = {}
+    for pair in (rest.split("<arg_key>") if rest else []):
+        key, closed, value = pair.partition("</arg_key>")
+        value = value.lstrip()
+        if not closed or not value.startswith("<arg_value>"):
+            return None
+        value, closed, tail = value.removeprefix("<arg_value>").partition("</arg_value>")
+        if not closed or tail.strip():
+            return None
+        arguments[key.strip()] = typed_value(value, properties.get(key.strip()))
+    return _calls([(name, arguments)], tools)
 
 
 def _xml_calls(text: str, tools: ToolSchemas) -> Parsed:
-    if not _whole(_FUNCTION, text):
+    calls = _elements(text, "<function=", "</function>")
+    if calls is None:
         return None
-    return _calls(((name, _named_parameters(_PARAMETER, inner, name, tools))
-                   for name, inner in _FUNCTION.findall(text)), tools)
+    return _calls(((name.strip(), _parameters(inner, "<parameter=", "</parameter>",
+                                              name.strip(), tools))
+                   for name, inner in calls), tools)
 
 
 TOOL_CALL = CallSyntax("tool_call", CALL_OPEN, CALL_CLOSE, parse_tool_call_body)
@@ -213,47 +242,85 @@ def _mistral(body: str, tools: ToolSchemas) -> Parsed:
     return _calls(pairs, tools)
 
 
-_DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>",
-                            re.DOTALL)
-_FENCED_JSON = re.compile(r"\A\s*([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*\Z", re.DOTALL)
+_DS_BEGIN, _DS_SEP, _DS_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
+
+
+def _marked_calls(body: str, begin: str, end: str) -> list[str] | None:
+    """The text of each `begin`…`end` call of a body that holds nothing else (split, not
+    matched: no backtracking on long or broken output)."""
+    head, *parts = body.split(begin)
+    if head.strip() or not parts:
+        return None
+    calls = []
+    for part in parts:
+        inner, found, rest = part.partition(end)
+        if not found or rest.strip():
+            return None
+        calls.append(inner)
+    return calls
+
+
+def _fenced(text: str) -> str | None:
+    """The inside of a ``` (or ```json) fenced block that is all of `text`."""
+    text = text.strip()
+    if len(text) < 6 or not (text.startswith("```") and text.endswith("```")):
+        return None
+    inside = text[3:-3]
+    return inside.removeprefix("json") if inside.startswith("json") else inside
 
 
 def _deepseek(body: str, tools: ToolSchemas) -> Parsed:
     """Between `<｜tool▁call▁begin｜>` and `<｜tool▁call▁end｜>`, R1 writes
     `function<｜tool▁sep｜>f` and the arguments in a fenced json block on the next lines;
     V3.1 writes `f<｜tool▁sep｜>{...}`."""
-    if not _whole(_DEEPSEEK_CALL, body):
+    calls = _marked_calls(body, _DS_BEGIN, _DS_END)
+    if calls is None:
         return None
     pairs: list[tuple[str, Any]] = []
-    for kind, rest in _DEEPSEEK_CALL.findall(body):
-        fenced = _FENCED_JSON.match(rest) if kind.strip() == "function" else None
-        name, arguments = (fenced.group(1), fenced.group(2)) if fenced else (kind, rest)
-        pairs.append((name.strip(), _json(arguments)))
+    for call in calls:
+        kind, found, rest = call.partition(_DS_SEP)
+        if not found:
+            return None
+        if kind.strip() == "function":
+            name, _, fenced = rest.partition("\n")
+            arguments = _fenced(fenced)
+            if arguments is None:
+                return None
+            pairs.append((name.strip(), _json(arguments)))
+        else:
+            pairs.append((kind.strip(), _json(rest)))
     return _calls(pairs, tools)
-
-
-_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(.+?)(?::\d+)?\s*"
-                        r"<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>", re.DOTALL)
 
 
 def _kimi(body: str, tools: ToolSchemas) -> Parsed:
     """`<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>`"""
-    if not _whole(_KIMI_CALL, body):
+    calls = _marked_calls(body, "<|tool_call_begin|>", "<|tool_call_end|>")
+    if calls is None:
         return None
-    return _calls(((name, _json(arguments)) for name, arguments in _KIMI_CALL.findall(body)),
-                  tools)
-
-
-_SOLAR_CALL = re.compile(r"<\|tool_call:begin\|>.*?<\|tool_call:name\|>(.*?)"
-                         r"<\|tool_call:args\|>(.*?)<\|tool_call:end\|>", re.DOTALL)
+    pairs: list[tuple[str, Any]] = []
+    for call in calls:
+        target, found, arguments = call.partition("<|tool_call_argument_begin|>")
+        if not found:
+            return None
+        name = target.strip().removeprefix("functions.")
+        head, colon, index = name.rpartition(":")
+        pairs.append((head if colon and index.isdigit() else name, _json(arguments)))
+    return _calls(pairs, tools)
 
 
 def _solar(body: str, tools: ToolSchemas) -> Parsed:
     """`<|tool_call:begin|>id<|tool_call:name|>f<|tool_call:args|>{...}<|tool_call:end|>`"""
-    if not _whole(_SOLAR_CALL, body):
+    calls = _marked_calls(body, "<|tool_call:begin|>", "<|tool_call:end|>")
+    if calls is None:
         return None
-    return _calls(((name.strip(), _json(arguments))
-                   for name, arguments in _SOLAR_CALL.findall(body)), tools)
+    pairs: list[tuple[str, Any]] = []
+    for call in calls:
+        _, named, rest = call.partition("<|tool_call:name|>")
+        name, found, arguments = rest.partition("<|tool_call:args|>")
+        if not (named and found):
+            return None
+        pairs.append((name.strip(), _json(arguments)))
+    return _calls(pairs, tools)
 
 
 def _semicolon_json_calls(body: str, tools: ToolSchemas) -> Parsed:
@@ -270,33 +337,31 @@ def _semicolon_json_calls(body: str, tools: ToolSchemas) -> Parsed:
     return calls or None
 
 
-_INVOKE = re.compile(r'<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
-_INVOKE_PARAMETER = re.compile(r'<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
-
-
 def _invoke(body: str, tools: ToolSchemas) -> Parsed:
     """`<invoke name="f"><parameter name="k">v</parameter></invoke>` (MiniMax-M2)."""
-    if not _whole(_INVOKE, body):
+    calls = _elements(body, '<invoke name="', "</invoke>")
+    if calls is None:
         return None
-    return _calls(((name, _named_parameters(_INVOKE_PARAMETER, inner, name, tools))
-                   for name, inner in _INVOKE.findall(body)), tools)
-
-
-_DSML_INVOKE = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)</｜DSML｜invoke>', re.DOTALL)
-_DSML_PARAMETER = re.compile(
-    r'<｜DSML｜parameter name="([^"]+)" string="(true|false)">(.*?)</｜DSML｜parameter>', re.DOTALL)
+    return _calls(((_quoted(name), _parameters(inner, '<parameter name="', "</parameter>",
+                                               _quoted(name), tools, key=_quoted))
+                   for name, inner in calls), tools)
 
 
 def _dsml(body: str, tools: ToolSchemas) -> Parsed:
     """DeepSeek V3.2 on: `<｜DSML｜invoke name="f"><｜DSML｜parameter name="k"
     string="true">v</｜DSML｜parameter></｜DSML｜invoke>` (string="false": a JSON value)."""
-    if not _whole(_DSML_INVOKE, body):
+    calls = _elements(body, '<｜DSML｜invoke name="', "</｜DSML｜invoke>")
+    if calls is None:
         return None
-    pairs = []
-    for name, inner in _DSML_INVOKE.findall(body):
-        arguments = {key: value if is_string == "true" else typed_value(value, None)
-                     for key, is_string, value in _DSML_PARAMETER.findall(inner)}
-        pairs.append((name, arguments))
+    pairs: list[tuple[str, Any]] = []
+    for name, inner in calls:
+        parameters = _elements(inner, '<｜DSML｜parameter name="', "</｜DSML｜parameter>",
+                               at_least=0)
+        if parameters is None:
+            return None
+        pairs.append((_quoted(name), {
+            _quoted(attributes): value if 'string="true"' in attributes
+            else typed_value(value, None) for attributes, value in parameters}))
     return _calls(pairs, tools)
 
 
@@ -334,27 +399,26 @@ def _pythonic(body: str, tools: ToolSchemas) -> Parsed:
         pairs = []
         for call in calls:
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) \
-                    or call.args:
+                    or call.args or any(keyword.arg is None for keyword in call.keywords):
                 return None
             pairs.append((call.func.id, {keyword.arg: ast.literal_eval(keyword.value)
                                          for keyword in call.keywords}))
-    except (SyntaxError, ValueError, TypeError):
+        return _calls(pairs, tools)
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
-    return _calls(pairs, tools)
 
 
 _HY_SUFFIX = re.compile(r"(</?[a-z_]+):opensource>")
-_HY_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def _hunyuan(body: str, tools: ToolSchemas) -> Parsed:
     """Hunyuan 3: GLM's key/value calls with `:opensource` on every tag, `<tool_sep>`
     after the name."""
-    plain = _HY_SUFFIX.sub(r"\1>", body)
-    if not _whole(_HY_CALL, plain):
+    elements = _elements(_HY_SUFFIX.sub(r"\1>", body), "<tool_call", "</tool_call>")
+    if elements is None:
         return None
     calls: list[tuple[str, str]] = []
-    for inner in _HY_CALL.findall(plain):
+    for _, inner in elements:
         found = _key_value_call(inner.replace("<tool_sep>", ""), tools)
         if found is None:
             return None
@@ -362,15 +426,11 @@ def _hunyuan(body: str, tools: ToolSchemas) -> Parsed:
     return calls
 
 
-_PARAM = re.compile(r'<param name="([^"]+)">(.*?)</param>', re.DOTALL)
-
-
 def _minicpm(body: str, tools: ToolSchemas) -> Parsed:
     """MiniCPM5: `<function name="f"><param name="k">v</param></function>`."""
     name, found, inner = body.partition('">')
-    if not found or _PARAM.sub("", inner).strip():
-        return None
-    return _calls([(name, _named_parameters(_PARAM, inner, name, tools))], tools)
+    parameters = _parameters(inner, '<param name="', "</param>", name, tools, key=_quoted)
+    return None if not found or parameters is None else _calls([(name, parameters)], tools)
 
 
 def _prefixed_invoke(prefix: str) -> BodyParser:
@@ -381,44 +441,21 @@ def _prefixed_invoke(prefix: str) -> BodyParser:
     return parse
 
 
-_K3_CALL = re.compile(r'<\|open\|>call tool="([^"]+)"[^<]*<\|sep\|>(.*?)'
-                      r"<\|close\|>call<\|sep\|>", re.DOTALL)
-_K3_ARGUMENT = re.compile(r'<\|open\|>argument key="([^"]+)" type="([^"]+)"<\|sep\|>(.*?)'
-                          r"<\|close\|>argument<\|sep\|>", re.DOTALL)
-
-
-def _kimi_k3(body: str, tools: ToolSchemas) -> Parsed:
-    """Kimi K3: `<|open|>call tool="f" index="1"<|sep|>` then `<|open|>argument key="k"
-    type="string"<|sep|>v<|close|>argument<|sep|>` for each argument, `<|close|>call<|sep|>`."""
-    if not _whole(_K3_CALL, body):
-        return None
-    pairs = []
-    for name, inner in _K3_CALL.findall(body):
-        if _K3_ARGUMENT.sub("", inner).strip():
-            return None
-        pairs.append((name, {key: value if kind == "string" else typed_value(value, None)
-                             for key, kind, value in _K3_ARGUMENT.findall(inner)}))
-    return _calls(pairs, tools)
-
-
-_FENCE = re.compile(r"\A\s*```(?:json)?\s*(.*?)\s*```\s*\Z", re.DOTALL)
-
-
 def _fenced_json_calls(body: str, tools: ToolSchemas) -> Parsed:
     """Command R+: `Action:` then a fenced json block of `tool_name` / `parameters`."""
-    fenced = _FENCE.match(body)
-    return None if fenced is None else json_calls(fenced.group(1), tools)
-
-
-_HARMONY_CALL = re.compile(r"\A\s*\w*\s*to=functions\.([^\s<]+)[^<]*(?:<\|constrain\|>\S*\s*)?"
-                           r"<\|message\|>(.*?)(?:<\|call\|>)?\s*\Z", re.DOTALL)
+    inside = _fenced(body)
+    return None if inside is None else json_calls(inside, tools)
 
 
 def _harmony(body: str, tools: ToolSchemas) -> Parsed:
     """gpt-oss, after `<|channel|>`: `commentary to=functions.f <|constrain|>json<|message|>{...}`.
     (A harmony answer is read whole by chat/harmony.py; this reads one call message.)"""
-    found = _HARMONY_CALL.match(body)
-    call = None if found is None else json_arguments_call(found.group(1), found.group(2), tools)
+    header, found, arguments = body.partition("<|message|>")
+    _, to, recipient = header.partition("to=functions.")
+    if not (found and to):
+        return None
+    name = recipient.split("<|", 1)[0].split(None, 1)[0] if recipient.strip() else ""
+    call = json_arguments_call(name, arguments.removesuffix("<|call|>"), tools)
     return None if call is None else [call]
 
 
@@ -458,14 +495,12 @@ FAMILIES = (
     CallSyntax("minicpm", '<function name="', "</function>", _minicpm),
     CallSyntax("muse", "<atem:function_calls>", "</atem:function_calls>",
                _prefixed_invoke("atem:")),
-    CallSyntax("kimi-k3", "<|open|>tools<|sep|>", "<|close|>tools<|sep|>", _kimi_k3,
-               ("<|open|>", "<|close|>", "<|sep|>")),
-    CallSyntax("command-r-plus", "Action:", None, _fenced_json_calls),
+    CallSyntax("command-r-plus", "Action:", None, _fenced_json_calls, line_start=True),
     CallSyntax("functionary-v3.2", ">>>", None, _addressed),
     CallSyntax("harmony", "<|channel|>", None, _harmony,
                ("<|message|>", "<|start|>", "<|constrain|>", "<|end|>", "<|return|>",
                 "<|call|>")),
-    CallSyntax("firefunction", "functools", None, json_calls),
+    CallSyntax("firefunction", "functools", None, json_calls, line_start=True),
 )
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 import warnings
 
 from butter.server.holders import FixedModel as ButterServeBackend
+from butter.server.holders import Loader, catalog_precheck
 from butter.server.holders import ModelHolder as ServeBackend
 from butter.server.holders import SwappableModel as ResidentServeBackend
 
-__all__ = ["ButterServeBackend", "ResidentServeBackend", "ServeBackend"]
+__all__ = ["ButterServeBackend", "Loader", "ResidentServeBackend", "ServeBackend",
+           "catalog_precheck"]
 
 warnings.warn("butter.server.backends is now butter.server.holders", DeprecationWarning,
               stacklevel=2)

@@ -119,6 +119,13 @@ class ServeServer:
                               collectors=[ConnectionCollector(self.connections)],
                               readiness=self.readiness)
 
+    @property
+    def backend(self) -> ModelHolder:
+        """Deprecated: `holder`."""
+        warnings.warn("ServeServer.backend is now ServeServer.holder", DeprecationWarning,
+                      stacklevel=2)
+        return self.holder
+
     def routes(self) -> list[str]:
         """"METHOD /path" of every route the app serves, read from the app itself."""
         rules = [rule for rule in self.app.url_map.iter_rules() if rule.endpoint != "static"]

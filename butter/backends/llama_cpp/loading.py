@@ -220,15 +220,17 @@ class LlamaModel:
     def write_out(self, texts: Iterable[str]) -> None:
         """Generated control tokens whose text is one of `texts` come out as that text
         instead of empty pieces (a model family's tool-call markers, for the parser)."""
-        found = set()
+        found = set(self._written_out)
         for text in texts:
             tokens = self.tokenize(text, add_bos=False)
-            if len(tokens) == 1 and self.piece(tokens[0]) == b"":
+            if len(tokens) == 1 and self._piece(tokens[0], special=False) == b"":
                 found.add(tokens[0])
         self._written_out = frozenset(found)
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
-        special = special or token in self._written_out
+        return self._piece(token, special=special or token in self._written_out)
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
         buffer = self._piece_buffer
         length = ll.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         if length < 0:
