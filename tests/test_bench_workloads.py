@@ -97,7 +97,7 @@ def test_long_arrival_reports_the_prefill_window(server: ServerProcess,
     out = tmp_path / "arrival.json"
     result = bench("--model", "tiny", "--base-url", server.api, "--long-arrival", "1500",
                    "--concurrency", "2", "--max-tokens", "24", "--arrival-max-tokens", "4",
-                   "--arrival-settle", "0.3", "--arrival-after", "0.3", "--json", str(out))
+                   "--arrival-settle", "1", "--arrival-after", "0.3", "--json", str(out))
     assert result.returncode == 0, result.stderr
     [record] = json.loads(out.read_text())
     assert record["workload"] == "arrival" and record["concurrency"] == 2
