@@ -16,11 +16,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
-from butter.chat.tool_calls import ToolSchemas, json_arguments_call
+from butter.chat.addressed import AddressedMessages
+from butter.chat.markup import ContentDelta, Event, ReasoningDelta, earliest_tag
+from butter.chat.tool_calls import ToolSchemas
 
 CHANNEL, MESSAGE, START, CONSTRAIN = "<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
+_MESSAGE_ENDS = (*ENDS, START, CHANNEL)  # what ends a message's text
 # Every marker the parser reads (the backends write them out as text).
 MARKERS = (CHANNEL, MESSAGE, START, CONSTRAIN, *ENDS)
 # A header opens with a marker, or with the recipient (the prompt ends `<|start|>assistant`).
@@ -31,30 +33,16 @@ _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _FUNCTIONS = "functions."
 
 
-class HarmonyParser:
+class HarmonyParser(AddressedMessages):
     """Harmony messages → reasoning, content and tool-call events (MarkupParser's seam)."""
 
     def __init__(self, tools: ToolSchemas | None = None, *,
                  new_call_id: Callable[[int], str] = lambda index: f"call_{index}") -> None:
-        self._tools = tools or {}
-        self._new_call_id = new_call_id
-        self._pending = ""
+        super().__init__(tools, new_call_id=new_call_id)
         self._in_header = True
         self._kind = "content"  # of the open message: content, reasoning or call
         self._function = ""  # the open call's function
         self._body = ""  # the open call's text
-        self._calls = 0
-
-    @property
-    def tool_calls(self) -> int:
-        return self._calls
-
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -83,12 +71,9 @@ class HarmonyParser:
             self._open(self._pending[:index])
             self._pending = self._pending[index + len(MESSAGE):]
             return True
-        found = _earliest(self._pending, (*ENDS, START, CHANNEL))
+        found = earliest_tag(self._pending, _MESSAGE_ENDS)
         if found is None:
-            keep = _partial_suffix(self._pending, (*ENDS, START, CHANNEL))
-            ready = self._pending[:len(self._pending) - keep]
-            self._pending = self._pending[len(ready):]
-            self._emit(ready, events)
+            self._emit(self._take_ready(_MESSAGE_ENDS), events)
             return False
         index, tag = found
         self._emit(self._pending[:index], events)
@@ -124,14 +109,11 @@ class HarmonyParser:
             return
         self._kind = "content"
         body, self._body = self._body, ""
-        parsed = json_arguments_call(self._function, body, self._tools)
-        if parsed is None:  # not a call of an offered tool: its text, as it came
+        call = self._call(self._function, body)
+        if call is None:  # not a call of an offered tool: its text, as it came
             self._emit(body, events)
-            return
-        name, arguments = parsed
-        events.append(ToolCall(index=self._calls, id=self._new_call_id(self._calls),
-                               name=name, arguments=arguments))
-        self._calls += 1
+        else:
+            events.append(call)
 
 
 def _may_be_header(text: str) -> bool:
@@ -141,14 +123,3 @@ def _may_be_header(text: str) -> bool:
     return len(text) <= _LONGEST_HEADER and (
         not start or any(start.startswith(opening) or opening.startswith(start)
                          for opening in _HEADER_STARTS))
-
-
-def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    found = [(index, tag) for tag in tags if (index := text.find(tag)) >= 0]
-    return min(found) if found else None
-
-
-def _partial_suffix(text: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could still grow into a tag."""
-    return max((length for tag in tags for length in range(1, min(len(tag), len(text) + 1))
-                if text.endswith(tag[:length])), default=0)

@@ -35,8 +35,8 @@ from butter.chat.tool_calls import (
 
 __all__ = [
     "CALL_CLOSE", "CALL_OPEN", "THINK_CLOSE", "THINK_OPEN", "ContentDelta", "Event",
-    "MarkupParser", "ReasoningDelta", "ToolCall", "ToolSchemas", "parse_bare_json_calls",
-    "parse_tool_call_body",
+    "MarkupParser", "ReasoningDelta", "ToolCall", "ToolSchemas", "earliest_tag",
+    "parse_bare_json_calls", "parse_tool_call_body", "partial_tag_suffix",
 ]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -107,9 +107,9 @@ class MarkupParser:
                 return events
         while True:
             tags = self._tags()
-            found = _earliest(self._pending, tags)
+            found = earliest_tag(self._pending, tags)
             if found is None:
-                keep = _partial_tag_suffix(self._pending, tags)
+                keep = partial_tag_suffix(self._pending, tags)
                 ready, self._pending = _split_at(self._pending, len(self._pending) - keep)
                 self._emit(ready, events)
                 return events
@@ -213,7 +213,7 @@ class MarkupParser:
         return calls
 
 
-def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+def earliest_tag(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
     best: tuple[int, str] | None = None
     for tag in tags:
         index = text.find(tag)
@@ -222,7 +222,7 @@ def _earliest(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
     return best
 
 
-def _partial_tag_suffix(text: str, tags: tuple[str, ...]) -> int:
+def partial_tag_suffix(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of `text` that could still grow into a tag."""
     longest = 0
     for tag in tags:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from butter.chat.markup import ContentDelta, Event, ToolCall
-from butter.chat.tool_calls import ToolSchemas, json_arguments_call
+from butter.chat.addressed import AddressedMessages
+from butter.chat.markup import ContentDelta, Event
+from butter.chat.tool_calls import ToolSchemas
 
 NEXT = ">>>"
 TO_USER = "all"
@@ -25,31 +26,17 @@ _RECIPIENT = re.compile(r"\A[\w.-]{1,64}\Z")
 _LONGEST_RECIPIENT = 64
 
 
-class RecipientParser:
+class RecipientParser(AddressedMessages):
     """Addressed messages → content and tool-call events (MarkupParser's seam)."""
 
     def __init__(self, tools: ToolSchemas | None = None, *,
                  new_call_id: Callable[[int], str] = lambda index: f"call_{index}") -> None:
-        self._tools = tools or {}
-        self._new_call_id = new_call_id
-        self._pending = ""
+        super().__init__(tools, new_call_id=new_call_id)
         self._in_header = True  # reading a recipient
         self._marker = ""  # what opened it: nothing (the prompt's `>>>`), or `>>>`
         self._header = ""  # the open message's `>>>recipient` line, as it came
         self._function: str | None = None  # the open message's, None: to the user
         self._body = ""  # the open call's text
-        self._calls = 0
-
-    @property
-    def tool_calls(self) -> int:
-        return self._calls
-
-    def feed(self, text: str) -> list[Event]:
-        self._pending += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -82,11 +69,7 @@ class RecipientParser:
             return True
         index = self._pending.find(NEXT)
         if index < 0:
-            keep = next((length for length in (2, 1)
-                         if self._pending.endswith(NEXT[:length])), 0)
-            ready = self._pending[:len(self._pending) - keep]
-            self._pending = self._pending[len(ready):]
-            self._emit(ready, events)
+            self._emit(self._take_ready((NEXT,)), events)
             return False
         self._emit(self._pending[:index], events)
         self._close(events)
@@ -107,11 +90,5 @@ class RecipientParser:
             return
         function, self._function = self._function, None
         body, self._body = self._body, ""
-        parsed = json_arguments_call(function, body, self._tools)
-        if parsed is None:  # not a call of an offered tool: as it came
-            events.append(ContentDelta(self._header + body))
-            return
-        name, arguments = parsed
-        events.append(ToolCall(index=self._calls, id=self._new_call_id(self._calls),
-                               name=name, arguments=arguments))
-        self._calls += 1
+        call = self._call(function, body)
+        events.append(ContentDelta(self._header + body) if call is None else call)

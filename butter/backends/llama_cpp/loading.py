@@ -223,14 +223,12 @@ class LlamaModel:
         found = set(self._written_out)
         for text in texts:
             tokens = self.tokenize(text, add_bos=False)
-            if len(tokens) == 1 and self._piece(tokens[0], special=False) == b"":
+            if len(tokens) == 1 and tokens[0] not in found and self.piece(tokens[0]) == b"":
                 found.add(tokens[0])
         self._written_out = frozenset(found)
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
-        return self._piece(token, special=special or token in self._written_out)
-
-    def _piece(self, token: int, *, special: bool) -> bytes:
+        special = special or token in self._written_out
         buffer = self._piece_buffer
         length = ll.llama_token_to_piece(self.vocab, token, buffer, len(buffer), 0, special)
         if length < 0:
