@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from butter.chat.answers import answer_parser
 from butter.chat.harmony import HarmonyParser
-from butter.chat.markup import ContentDelta, Event, MarkupParser, ReasoningDelta, ToolCall
+from butter.chat.markup import ContentDelta, MarkupParser, ReasoningDelta, ToolCall
 from butter.chat.tool_calls import TOOL_CALL, syntax_named
+from tests.splits import fed_in_pieces
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
 ANSWER = ("<|channel|>analysis<|message|>They want a greeting.<|end|>"
@@ -22,12 +23,7 @@ CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
 
 
 def parsed(text: str, cuts: list[int] | None = None) -> tuple[str, str, list[tuple[str, object]]]:
-    parser = HarmonyParser(TOOLS)
-    points = sorted({min(cut, len(text)) for cut in cuts or []})
-    events: list[Event] = []
-    for start, end in zip([0, *points], [*points, len(text)], strict=True):
-        events += parser.feed(text[start:end])
-    events += parser.finish()
+    events = fed_in_pieces(HarmonyParser(TOOLS), text, cuts or [])
     return ("".join(e.text for e in events if isinstance(e, ContentDelta)),
             "".join(e.text for e in events if isinstance(e, ReasoningDelta)),
             [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)])

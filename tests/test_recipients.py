@@ -9,21 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from butter.chat.answers import answer_parser
-from butter.chat.markup import ContentDelta, Event, ToolCall
+from butter.chat.markup import ContentDelta, ToolCall
 from butter.chat.recipients import RecipientParser
 from butter.chat.tool_calls import TOOL_CALL, syntax_named
+from tests.splits import fed_in_pieces
 
 TOOLS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}}}}
 MIXED = 'all\nLet me check.>>>get_weather\n{"city": "Paris"}>>>get_weather\n{"city": "Oslo"}'
 
 
 def parsed(text: str, cuts: list[int] | None = None) -> tuple[str, list[tuple[str, object]]]:
-    parser = RecipientParser(TOOLS)
-    points = sorted({min(cut, len(text)) for cut in cuts or []})
-    events: list[Event] = []
-    for start, end in zip([0, *points], [*points, len(text)], strict=True):
-        events += parser.feed(text[start:end])
-    events += parser.finish()
+    events = fed_in_pieces(RecipientParser(TOOLS), text, cuts or [])
     return ("".join(e.text for e in events if isinstance(e, ContentDelta)),
             [(e.name, json.loads(e.arguments)) for e in events if isinstance(e, ToolCall)])
 

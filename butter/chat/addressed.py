@@ -30,8 +30,32 @@ class AddressedMessages:
             pass
         return events
 
+    def finish(self) -> list[Event]:
+        events: list[Event] = []
+        pending, self._pending = self._pending, ""
+        if self._in_header:
+            self._header_cut_short(pending, events)
+            return events
+        self._emit(pending, events)
+        self._close(events)
+        return events
+
+    # What each format fills in:
+    _in_header = True  # reading a message's header (its first one, at the start)
+
     def _step(self, events: list[Event]) -> bool:
         """Consume what can be decided; False when more text is needed."""
+        raise NotImplementedError
+
+    def _header_cut_short(self, text: str, events: list[Event]) -> None:
+        """The answer ended inside a header: what of it is text."""
+        raise NotImplementedError
+
+    def _emit(self, text: str, events: list[Event]) -> None:
+        raise NotImplementedError
+
+    def _close(self, events: list[Event]) -> None:
+        """The open message has ended."""
         raise NotImplementedError
 
     def _take_ready(self, markers: tuple[str, ...]) -> str:

@@ -44,17 +44,10 @@ class HarmonyParser(AddressedMessages):
         self._function = ""  # the open call's function
         self._body = ""  # the open call's text
 
-    def finish(self) -> list[Event]:
-        events: list[Event] = []
-        pending, self._pending = self._pending, ""
-        if self._in_header:  # a header cut short is markup, not text; anything else is
-            if "<|" not in pending:
-                self._kind = "content"
-                self._emit(pending, events)
-            return events
-        self._emit(pending, events)
-        self._close(events)
-        return events
+    def _header_cut_short(self, text: str, events: list[Event]) -> None:
+        if "<|" not in text:  # markup cut short is not text; anything else is
+            self._kind = "content"
+            self._emit(text, events)
 
     # ------------------------------------------------------------------ internals
 

@@ -38,17 +38,10 @@ class RecipientParser(AddressedMessages):
         self._function: str | None = None  # the open message's, None: to the user
         self._body = ""  # the open call's text
 
-    def finish(self) -> list[Event]:
-        events: list[Event] = []
-        pending, self._pending = self._pending, ""
-        if self._in_header:
-            self._in_header, self._function = False, None
-            if pending.strip() != TO_USER:  # a lone recipient says nothing
-                self._emit(self._marker + pending, events)
-            return events
-        self._emit(pending, events)
-        self._close(events)
-        return events
+    def _header_cut_short(self, text: str, events: list[Event]) -> None:
+        self._function = None
+        if text.strip() != TO_USER:  # a lone recipient says nothing
+            self._emit(self._marker + text, events)
 
     def _step(self, events: list[Event]) -> bool:
         """Consume what can be decided; False when more text is needed."""
