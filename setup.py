@@ -11,7 +11,7 @@ from setuptools import Extension, setup
 
 # Both extensions include these: editing one must rebuild them.
 TILE_HEADERS = ["butter/native/q8_0_tiles.h", "butter/native/q6_k_tiles.h",
-                "butter/native/q5_k_tiles.h", "butter/native/q4_1_q5_0_tiles.h"]
+                "butter/native/q4_k_q5_k_tiles.h", "butter/native/q4_1_q5_0_tiles.h"]
 
 # OpenMP shares llama.cpp's worker threads (the same libgomp) instead of adding more.
 openmp = ["-fopenmp"] if sys.platform.startswith("linux") else []

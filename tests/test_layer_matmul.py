@@ -1,8 +1,8 @@
 """butter's Q8_0 layer matmuls inside llama.cpp (butter/native/layer_matmul.cpp,
 butter/backends/llama_cpp/layer_matmul.py).
 
-Checked on the real engine: which matrices the kernels take (a file's plain 2-D Q8_0 and
-Q6_K layer matrices, nothing else), that llama.cpp's graph multiplies them there, that each
+Checked on the real engine: which matrices the kernels take (a file's plain 2-D layer
+matrices of butter's types, nothing else), that llama.cpp's graph multiplies them there, that each
 product is llama.cpp's own to float rounding, that greedy tokens on the demo model's real
 weights stay llama.cpp's, and that where it does not apply the reason is said and nothing
 is taken.
@@ -84,6 +84,13 @@ def tiny_q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_q6_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model 256 wide in Q6_K (llama.cpp's quantizer)."""
+    return _quantized_tiny(tmp_path_factory.mktemp("q6_k"), ll.LLAMA_FTYPE_MOSTLY_Q6_K,
+                           "tiny-256-q6_k.gguf")
+
+
+@pytest.fixture(scope="module")
 def tiny_q5_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model 256 wide in Q5_0, the type Gemma 3 270M's Q4_K_M file has most of."""
     return _quantized_tiny(tmp_path_factory.mktemp("q5_0"), ll.LLAMA_FTYPE_MOSTLY_Q5_0,
@@ -106,7 +113,7 @@ def _backend(path: Path, *, fast_layers: bool, repack: bool = True) -> LlamaCppB
 MATMULS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 TILED = {"Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q6_K": gguf.GGMLQuantizationType.Q6_K,
          "Q5_K": gguf.GGMLQuantizationType.Q5_K, "Q4_1": gguf.GGMLQuantizationType.Q4_1,
-         "Q5_0": gguf.GGMLQuantizationType.Q5_0}
+         "Q5_0": gguf.GGMLQuantizationType.Q5_0, "Q4_K": gguf.GGMLQuantizationType.Q4_K}
 
 
 def _tiled_layer_matrices(path: Path) -> dict[str, int]:
@@ -140,7 +147,8 @@ def test_a_files_q8_0_layer_matrices_and_nothing_else_are_taken(
     backend = _backend(path, fast_layers=True)
     try:
         taken = _since(before, kernel.counters())
-        # (Q4_K_M's Q4_K matrices go to llama.cpp's repacking, first in its list)
+        # (Q4_K_M's Q4_K matrices too: butter's buffer type comes before llama.cpp's
+        # repacking in its list)
         assert {name.upper(): n for name, n in taken.by_type().items()} == expected
         counts = " + ".join(f"{n} {name}" for name, n in expected.items() if n)
         assert backend.model.layers_by == f"butter ({kernel.isa.value}; {counts} matrices)"
@@ -260,13 +268,13 @@ def _matmul_outputs(path: Path, nodes: tuple[str, ...], *, fast_layers: bool, to
 
 
 # Products whose input is the same bits either way, by what llama.cpp names their outputs,
-# with the weight each multiplies: layer 0's first ones in the Q8_0 and Q5_K_M models (their
-# input is the normed embeddings), and in the Q4_K_M model layer 1's V projection, a Q6_K
-# matrix after a layer 0 of Q4_K and Q5_0 only (llama.cpp's kernels both times).
+# with the weight each multiplies: layer 0's first ones (their input is the normed
+# embeddings).
 PRODUCTS = {
     "tiny_256_q8_0_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight",
                            "Vcur-0": "blk.0.attn_v.weight"},
-    "tiny_q4_k_m_gguf": {"Vcur-1": "blk.1.attn_v.weight"},
+    "tiny_q4_k_m_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
+    "tiny_q6_k_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
     "tiny_q5_k_m_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
     "tiny_q4_1_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
     "tiny_q5_0_gguf": {"Qcur-0": "blk.0.attn_q.weight", "Kcur-0": "blk.0.attn_k.weight"},
@@ -275,7 +283,8 @@ PRODUCTS = {
 
 @pytest.mark.parametrize("tokens", [1, 3, 8, 21])
 @pytest.mark.parametrize(("fixture", "qtype"), [("tiny_256_q8_0_gguf", "Q8_0"),
-                                                 ("tiny_q4_k_m_gguf", "Q6_K"),
+                                                 ("tiny_q4_k_m_gguf", "Q4_K"),
+                                                 ("tiny_q6_k_gguf", "Q6_K"),
                                                  ("tiny_q5_k_m_gguf", "Q5_K"),
                                                  ("tiny_q4_1_gguf", "Q4_1"),
                                                  ("tiny_q5_0_gguf", "Q5_0")])
@@ -289,8 +298,6 @@ def test_each_product_is_llama_cpps_to_float_rounding(
     path: Path = request.getfixturevalue(fixture)
     products = PRODUCTS[fixture]
     assert {_weight_type(path, weight) for weight in products.values()} == {qtype}
-    if fixture == "tiny_q4_k_m_gguf":  # nothing of layer 0 is butter's
-        assert {_weight_type(path, f"blk.0.{m}.weight") for m in MATMULS} <= {"Q4_K", "Q5_0"}
     before = kernel.counters()
     ours = _matmul_outputs(path, tuple(products), fast_layers=True, tokens=tokens)
     ran = _since(before, kernel.counters())
@@ -302,9 +309,12 @@ def test_each_product_is_llama_cpps_to_float_rounding(
         np.testing.assert_allclose(ours[name], theirs[name], rtol=0, atol=1e-6 * scale)
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it(tiny_gguf: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_gguf", "tiny_q4_k_m_gguf"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
+    fixture: str, request: pytest.FixtureRequest,
+) -> None:
     _kernel_or_skip()
-    backend = _backend(tiny_gguf, fast_layers=True)
+    backend = _backend(request.getfixturevalue(fixture), fast_layers=True)
     try:
         assert backend.model.layers_by.startswith("butter")
         prompt = backend.tokenize(PROMPTS[0], add_bos=False)
@@ -394,15 +404,15 @@ def test_no_buffer_type_that_crashes_llama_cpp_is_offered_weights(demo_gguf: Pat
 def test_every_kernel_of_this_isa_passed_its_self_check() -> None:
     kernel = _kernel_or_skip()
     assert kernel.types == {name: "butter" for name in butter_layer_types(kernel.isa)}
-    assert set(kernel.types) == {"q8_0", "q6_K", "q5_K", "q4_1", "q5_0"}
+    assert set(kernel.types) == {"q8_0", "q6_K", "q5_K", "q4_1", "q5_0", "q4_K"}
 
 
-@pytest.mark.parametrize("qtype", ["q8_0", "q6_K", "q5_K", "q4_1", "q5_0"])
+@pytest.mark.parametrize("qtype", ["q8_0", "q6_K", "q5_K", "q4_1", "q5_0", "q4_K"])
 def test_a_wrong_kernel_result_fails_the_self_check(qtype: str) -> None:
     """One value of butter's product off by 1% of the largest: the check must see it (and
     the true kernel passes the same probes)."""
     kernel = _kernel_or_skip()
-    number = {"q8_0": 8, "q6_K": 14, "q5_K": 13, "q4_1": 3, "q5_0": 6}[qtype]
+    number = {"q8_0": 8, "q6_K": 14, "q5_K": 13, "q4_1": 3, "q5_0": 6, "q4_K": 12}[qtype]
     assert layer_matmul.ggml_type_name(number) == qtype
     assert layer_matmul.self_check(kernel._lib, number, perturbation=0.0) == ""
     why = layer_matmul.self_check(kernel._lib, number, perturbation=0.01)
@@ -439,7 +449,7 @@ def test_a_type_that_fails_its_self_check_stays_with_llama_cpp(tiny_gguf: Path) 
     found = json.loads(run.stdout.strip().splitlines()[-1])
     assert all(why.startswith("llama.cpp (self-check failed:") for why in found["types"].values())
     assert found["diagnostics"]["layer_matmuls"] == (
-        "llama.cpp (butter's q8_0, q6_K, q5_K, q4_1, q5_0 kernels failed their self-check)")
+        "llama.cpp (butter's q8_0, q6_K, q5_K, q4_1, q5_0, q4_K kernels failed their self-check)")
     assert all("self-check failed" in who
                for who in found["diagnostics"]["kernels"]["layers"].values()
                if "x llama.cpp (repacked)" not in who)
@@ -512,8 +522,9 @@ def test_an_isa_butter_has_no_kernels_for_is_refused_by_name() -> None:
 def test_the_table_gives_butter_exactly_the_types_the_library_multiplies() -> None:
     for isa in (Isa.AVX512_VNNI, Isa.AVX2):
         assert set(butter_layer_types(isa)) == set(TYPE_BITS)
-        # llama.cpp's own repacking keeps what it covers on x86 (Q4_0, Q4_K, ...)
-        assert layer_kernel(isa, "q4_K") is Kernel.REPACKED
+        # llama.cpp's own repacking keeps what it covers on x86 (Q4_0, IQ4_NL, ...) but Q4_K
+        assert layer_kernel(isa, "q4_0") is Kernel.REPACKED
+        assert layer_kernel(isa, "q4_K") is Kernel.BUTTER
         assert layer_kernel(isa, "q3_K") is Kernel.GENERIC
     assert butter_layer_types(Isa.NEON) == [] and butter_layer_types(Isa.NONE) == []
 

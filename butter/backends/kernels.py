@@ -5,8 +5,11 @@ butter brings its own kernels where llama.cpp's x86 code has only generic paths 
 the layer matrices in Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 (layer_matmul.cpp; Q5_0 is what
 llama.cpp's quantizer writes where a K-quant does not fit a row), and the output projection
 (lmhead.c). Where llama.cpp repacks a type into an interleaved layout of its own (Q4_0,
-Q4_K, IQ4_NL and MXFP4 on AVX2 and up, Q2_K on AVX512), its kernel is already the fast one
-and butter leaves it. Everything else is llama.cpp's generic code.
+IQ4_NL and MXFP4 on AVX2 and up, Q2_K on AVX512), its kernel is already the fast one and
+butter leaves it. Q4_K is the exception: llama.cpp repacks it too, but its kernel's cost
+grows with every row of a step and it rounds rows otherwise from four rows on, while
+butter's computes each row alone at any count, with a few rows costing little more than
+one (docs/architecture.md, "Q4_K"). Everything else is llama.cpp's generic code.
 
 ARM (NEON) is planned here, not built: llama.cpp's repacking there covers Q4_0, Q4_K, Q5_K,
 Q6_K, Q8_0, IQ4_NL and MXFP4 (with the dotprod and i8mm extensions), so a NEON port of
@@ -39,14 +42,14 @@ class Kernel(StrEnum):
 LAYER_KERNELS: dict[Isa, dict[str, Kernel]] = {
     Isa.AVX512_VNNI: {
         "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
-        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER,
-        "q4_0": Kernel.REPACKED, "q4_K": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
+        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER, "q4_K": Kernel.BUTTER,
+        "q4_0": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
         "mxfp4": Kernel.REPACKED, "q2_K": Kernel.REPACKED,
     },
     Isa.AVX2: {
         "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
-        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER,
-        "q4_0": Kernel.REPACKED, "q4_K": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
+        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER, "q4_K": Kernel.BUTTER,
+        "q4_0": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
         "mxfp4": Kernel.REPACKED,
     },
     Isa.NEON: {  # (planned: no butter kernel runs on ARM yet)
@@ -63,7 +66,7 @@ OUTPUT_NATIVE_TYPES = ("q8_0", "q6_K")
 OUTPUT_ISAS = (Isa.AVX512_VNNI, Isa.AVX2)
 
 # The layer types butter has kernels for, as the C library numbers them (TYPE_BIT_*).
-TYPE_BITS = {"q8_0": 1, "q6_K": 2, "q5_K": 4, "q4_1": 8, "q5_0": 16}
+TYPE_BITS = {"q8_0": 1, "q6_K": 2, "q5_K": 4, "q4_1": 8, "q5_0": 16, "q4_K": 32}
 
 
 def isa_of(number: int) -> Isa:

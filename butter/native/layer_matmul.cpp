@@ -1,5 +1,5 @@
 /*
- * butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls, plugged into llama.cpp's CPU
+ * butter's Q8_0, Q6_K, Q5_K, Q4_K, Q4_1 and Q5_0 layer matmuls, plugged into llama.cpp's CPU
  * backend on x86 CPUs with AVX512-VNNI or AVX2 (one tile layout per type, one kernel per
  * instruction set).
  *
@@ -9,8 +9,15 @@
  * small products far below what the cores can do: on Qwen3-0.6B's shape in Q8_0 the layer
  * matmuls were ~2/3 of an 8-row step. The tile layout that made butter's output projection
  * 4x faster at 8 rows (q8_0_tiles.h) serves any Q8_0 matrix, and the other types get the
- * same layout with their values kept packed (q6_k_tiles.h, q5_k_tiles.h,
+ * same layout with their values kept packed (q6_k_tiles.h, q4_k_q5_k_tiles.h,
  * q4_1_q5_0_tiles.h).
+ *
+ * Q4_K is the one type here that llama.cpp's x86 code does repack: its interleaved kernel
+ * is fast for one row, but multiplies rows four at a time from four rows on, rounding
+ * otherwise than one by one, and its cost grows with every row. Here every row is computed
+ * as it would be alone at any row count, and a few rows cost little more than one (which
+ * is what verifying draft tokens and batching streams need); so this buffer type goes
+ * before llama.cpp's repacking in its list, and takes the Q4_K layer weights first.
  *
  * How: the way llama.cpp's own repacked kernels plug in. The CPU backend keeps a list of
  * "extra" buffer types; when it loads a model, it offers each weight to them in order, and
@@ -56,11 +63,11 @@
 #include <vector>
 
 #include "q4_1_q5_0_tiles.h"
-#include "q5_k_tiles.h"
+#include "q4_k_q5_k_tiles.h"
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 6
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 7
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -79,10 +86,11 @@
 #define TYPE_BIT_Q5_K 4
 #define TYPE_BIT_Q4_1 8
 #define TYPE_BIT_Q5_0 16
+#define TYPE_BIT_Q4_K 32
 
 /* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows,
- * Q4_1 and Q5_0 matrices */
-#define COUNTERS 8
+ * Q4_1, Q5_0 and Q4_K matrices */
+#define COUNTERS 9
 
 namespace ggml_mirror {
 
@@ -94,6 +102,7 @@ constexpr int MAX_NAME = 64;
 constexpr int TYPE_F32 = 0;
 constexpr int TYPE_Q8_0 = 8;
 constexpr int TYPE_Q5_K = 13;
+constexpr int TYPE_Q4_K = 12;
 constexpr int TYPE_Q4_1 = 3;
 constexpr int TYPE_Q5_0 = 6;
 constexpr int TYPE_Q6_K = 14;
@@ -261,7 +270,7 @@ std::atomic<bool> probing{false};
 std::atomic<bool> accepting{false};
 
 std::atomic<int64_t> q8_0_matrices{0}, q6_k_matrices{0}, q5_k_matrices{0}, q4_1_matrices{0},
-    q5_0_matrices{0}, packed_bytes{0},
+    q5_0_matrices{0}, q4_k_matrices{0}, packed_bytes{0},
     matmuls{0}, matmul_rows{0}, probe_matmuls{0};
 
 constexpr size_t ALIGN = 64;
@@ -296,7 +305,7 @@ size_t nibble_bytes(const tensor *w, size_t tile_block_bytes) {
     return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK)) * tile_block_bytes;
 }
 
-/* The tiled layouts of a K x N Q6_K or Q5_K matrix (q6_k_tiles.h, q5_k_tiles.h). */
+/* The tiled layouts of a K x N Q6_K, Q5_K or Q4_K matrix (q6_k_tiles.h, q4_k_q5_k_tiles.h). */
 size_t k_quant_bytes(const tensor *w, size_t tile_block_bytes) {
     return (size_t)((w->ne[1] + LANES - 1) / LANES * (w->ne[0] / QK_K)) * tile_block_bytes;
 }
@@ -324,6 +333,7 @@ int type_bit(int type) {
     case ggml_mirror::TYPE_Q8_0: return TYPE_BIT_Q8_0;
     case ggml_mirror::TYPE_Q6_K: return TYPE_BIT_Q6_K;
     case ggml_mirror::TYPE_Q5_K: return TYPE_BIT_Q5_K;
+    case ggml_mirror::TYPE_Q4_K: return TYPE_BIT_Q4_K;
     case ggml_mirror::TYPE_Q4_1: return TYPE_BIT_Q4_1;
     case ggml_mirror::TYPE_Q5_0: return TYPE_BIT_Q5_0;
     default: return 0;
@@ -338,7 +348,8 @@ backend_buffer_type *buffer_type();
 bool is_layer_weight(const tensor *w) { return strncmp(w->name, "blk.", 4) == 0; }
 
 bool is_k_quant(int type) {
-    return type == ggml_mirror::TYPE_Q6_K || type == ggml_mirror::TYPE_Q5_K;
+    return type == ggml_mirror::TYPE_Q6_K || type == ggml_mirror::TYPE_Q5_K ||
+           type == ggml_mirror::TYPE_Q4_K;
 }
 
 /* Q4_1 and Q5_0: 32-weight blocks of 4-bit values (q4_1_q5_0_tiles.h). */
@@ -346,8 +357,7 @@ bool is_nibble_type(int type) {
     return type == ggml_mirror::TYPE_Q4_1 || type == ggml_mirror::TYPE_Q5_0;
 }
 
-/* A plain 2-D matrix of a type this file multiplies: Q8_0, Q6_K, Q5_K, Q4_1 or Q5_0 (which
- * llama.cpp's x86 code does not repack either). */
+/* A plain 2-D matrix of a type this file multiplies: Q8_0, Q6_K, Q5_K, Q4_K, Q4_1 or Q5_0. */
 bool is_supported_weight(const tensor *w) {
     if (w == nullptr || w->ne[2] != 1 || w->ne[3] != 1 || w->view_src != nullptr) {
         return false;
@@ -436,7 +446,7 @@ struct NibblePass {
     }
 };
 
-/* The same over a K-quant matrix (Q6_K or Q5_K: `tile_pass` is the type's kernel for the
+/* The same over a K-quant matrix (Q6_K, Q5_K or Q4_K: `tile_pass` is the type's kernel for the
  * instruction set), the activations as ggml's Q8_K rows. */
 typedef void (*KQuantTilePass)(const uint8_t *w, int64_t nbk, int64_t t, int R,
                                const uint8_t *x, int64_t x_stride, float *out,
@@ -495,7 +505,10 @@ KQuantTilePass k_quant_tile_pass(int type) {
     if (type == ggml_mirror::TYPE_Q6_K) {
         return vnni ? q6_tile_pass : q6_tile_pass_avx2;
     }
-    return vnni ? q5_tile_pass : q5_tile_pass_avx2;
+    if (type == ggml_mirror::TYPE_Q5_K) {
+        return vnni ? qk45_tile_pass<5> : qk45_tile_pass_avx2<5>;
+    }
+    return vnni ? qk45_tile_pass<4> : qk45_tile_pass_avx2<4>;
 }
 
 /* Waits for the other threads of this op (none when the op runs on one). */
@@ -625,7 +638,8 @@ int init_tensor(backend_buffer *buffer, tensor *t) {
 size_t tiled_bytes(const tensor *t) {
     switch (t->type) {
     case ggml_mirror::TYPE_Q6_K: return k_quant_bytes(t, Q6_TILE_BLOCK_BYTES);
-    case ggml_mirror::TYPE_Q5_K: return k_quant_bytes(t, Q5_TILE_BLOCK_BYTES);
+    case ggml_mirror::TYPE_Q5_K: return k_quant_bytes(t, QK45<5>::TILE_BLOCK_BYTES);
+    case ggml_mirror::TYPE_Q4_K: return k_quant_bytes(t, QK45<4>::TILE_BLOCK_BYTES);
     case ggml_mirror::TYPE_Q4_1: return nibble_bytes(t, Q4_1_TILE_BLOCK_BYTES);
     case ggml_mirror::TYPE_Q5_0: return nibble_bytes(t, Q5_0_TILE_BLOCK_BYTES);
     default: return Q8Layout(t, nullptr).bytes();
@@ -646,8 +660,11 @@ void set_tensor(backend_buffer *buffer, tensor *t, const void *data, size_t offs
         q6_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
         stored = &q6_k_matrices;
     } else if (t->type == ggml_mirror::TYPE_Q5_K) {
-        q5_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
+        qk45_tiles_pack<5>((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
         stored = &q5_k_matrices;
+    } else if (t->type == ggml_mirror::TYPE_Q4_K) {
+        qk45_tiles_pack<4>((const uint8_t *)data, t->ne[1], t->ne[0] / QK_K, (uint8_t *)t->data);
+        stored = &q4_k_matrices;
     } else if (is_nibble_type(t->type)) {
         const bool q4_1 = t->type == ggml_mirror::TYPE_Q4_1;
         q4_1_q5_0_tiles_pack((const uint8_t *)data, t->ne[1], t->ne[0] / QK, q4_1,
@@ -875,10 +892,10 @@ extern "C" {
 int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_VERSION; }
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
- * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number, the Q4_1 and Q5_0 type
- * numbers. */
+ * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number, the Q4_1, Q5_0 and Q4_K
+ * type numbers. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 8 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 9 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
@@ -889,6 +906,7 @@ int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
     out[5] = ggml_mirror::OP_MUL_MAT;
     out[6] = ggml_mirror::TYPE_Q4_1;
     out[7] = ggml_mirror::TYPE_Q5_0;
+    out[8] = ggml_mirror::TYPE_Q4_K;
     return BUTTER_OK;
 }
 
@@ -952,7 +970,10 @@ int32_t butter_layer_matmul_register(void *cpu_device, int32_t isa, int32_t type
     kernel_isa = isa;
     enabled_types.store(types);
     tile_buffer_type.device = cpu_device;
-    ggml.extra_buffer_types().push_back(&tile_buffer_type);
+    /* First in the list: the types enabled here are the ones butter's table gives butter
+     * (Q4_K before llama.cpp's repacking takes it); anything else falls through. */
+    auto &listed = ggml.extra_buffer_types();
+    listed.insert(listed.begin(), &tile_buffer_type);
     registered = true;
     return BUTTER_OK;
 }
@@ -1034,7 +1055,7 @@ int32_t butter_layer_matmul_accept(int32_t accept) {
     return BUTTER_OK;
 }
 
-/* Matrices stored here (Q8_0, Q6_K, Q5_K) and their bytes, since the process started; matmuls
+/* Matrices stored here (by type) and their bytes, since the process started; matmuls
  * computed here and their activation rows. */
 int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     if (out == nullptr || out_bytes < COUNTERS * sizeof(int64_t)) {
@@ -1045,6 +1066,7 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     out[2] = q5_k_matrices.load();
     out[6] = q4_1_matrices.load();
     out[7] = q5_0_matrices.load();
+    out[8] = q4_k_matrices.load();
     out[3] = packed_bytes.load();
     out[4] = matmuls.load();
     out[5] = matmul_rows.load();
@@ -1055,7 +1077,7 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
 
 static struct PyModuleDef layer_matmul_module = {
     PyModuleDef_HEAD_INIT, "_layer_matmul",
-    "butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls for llama.cpp (loaded with ctypes, see "
+    "butter's Q8_0, Q6_K, Q5_K, Q4_K, Q4_1 and Q5_0 layer matmuls for llama.cpp (loaded with ctypes, see "
     "butter/backends/llama_cpp/layer_matmul.py)",
     -1, NULL, NULL, NULL, NULL, NULL,
 };

@@ -2,7 +2,8 @@
 
 With several sequences decoding at once, every layer matrix is multiplied by 2-8 rows per
 step, and for Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 matrices llama.cpp's x86 code has only
-generic paths for that, far below what the cores can do. The native library adds a buffer
+generic paths for that, far below what the cores can do (and for Q4_K a repacked kernel
+whose cost grows with every row: kernels.py). The native library adds a buffer
 type to llama.cpp's CPU backend, the way llama.cpp's own repacked kernels plug in: at load,
 a layer's plain 2-D weights of those types are stored there in butter's tile layout, and
 their matmuls then run butter's kernels (AVX512-VNNI or AVX2, kernels.py's table) on
@@ -53,7 +54,7 @@ T = TypeVar("T")
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 6
+ABI_VERSION = 7
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -71,11 +72,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_drop_buffer_type": (_I32, [_P, ctypes.c_char_p]),
 }
 OK, DECLINED = 0, 1
-# Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1 and Q5_0
-# matrices stored
-COUNTERS = 8
-# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0
-MIRRORED = 8
+# Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1, Q5_0 and
+# Q4_K matrices stored
+COUNTERS = 9
+# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0, Q4_K
+MIRRORED = 9
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -109,21 +110,21 @@ class Counters:
     rows: int
     q4_1_matrices: int
     q5_0_matrices: int
+    q4_k_matrices: int
 
     @property
     def matrices(self) -> int:
-        return (self.q8_0_matrices + self.q6_k_matrices + self.q5_k_matrices
-                + self.q4_1_matrices + self.q5_0_matrices)
+        return sum(self.by_type().values())
 
     def by_type(self) -> dict[str, int]:
         """Matrices stored, by ggml's type name."""
         return {"q8_0": self.q8_0_matrices, "q6_K": self.q6_k_matrices,
                 "q5_K": self.q5_k_matrices, "q4_1": self.q4_1_matrices,
-                "q5_0": self.q5_0_matrices}
+                "q5_0": self.q5_0_matrices, "q4_K": self.q4_k_matrices}
 
 
 class LayerMatmul:
-    """The registered library: choose per load whether Q8_0, Q6_K and Q5_K weights may go
+    """The registered library: choose per load whether the layer weights of its types may go
     there, and read what it has done."""
 
     def __init__(self, lib: Any, isa: Isa, types: dict[str, str]) -> None:
@@ -141,7 +142,7 @@ class LayerMatmul:
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
-        """While loading a model: whether its layers' Q8_0, Q6_K and Q5_K weights may be stored in
+        """While loading a model: whether its layers' weights of butter's types may be stored in
         butter's layout."""
         with self._loading:
             self._lib.butter_layer_matmul_accept(int(accept))
@@ -213,7 +214,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0 = (int(v) for v in mirror)
+    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k = (int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -226,6 +227,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "type Q5_K": base.ggml_type_name(q5_k),
         "type Q4_1": base.ggml_type_name(q4_1),
         "type Q5_0": base.ggml_type_name(q5_0),
+        "type Q4_K": base.ggml_type_name(q4_k),
         "op MUL_MAT": base.ggml_op_name(mul_mat),
         "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
             cpu.ggml_backend_cpu_buffer_type()),
@@ -233,7 +235,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     expected = {
         "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
         "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "type Q4_1": b"q4_1",
-        "type Q5_0": b"q5_0", "op MUL_MAT": b"MUL_MAT",
+        "type Q5_0": b"q5_0", "type Q4_K": b"q4_K", "op MUL_MAT": b"MUL_MAT",
         "CPU buffer type": b"CPU",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
@@ -333,7 +335,7 @@ def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
     numbers = {"q8_0": int(mirror[2]), "q6_K": int(mirror[3]), "q5_K": int(mirror[4]),
-               "q4_1": int(mirror[6]), "q5_0": int(mirror[7])}
+               "q4_1": int(mirror[6]), "q5_0": int(mirror[7]), "q4_K": int(mirror[8])}
     verdicts: dict[str, str] = {}
     accepted = 0
     for name in butter_layer_types(isa):
