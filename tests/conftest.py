@@ -45,20 +45,38 @@ def tiny_mamba_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_mamba_gguf(tmp_path_factory.mktemp("mamba") / "tiny-mamba.gguf")
 
 
-@pytest.fixture(scope="session")
-def tiny_q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model 256 wide, quantized by llama.cpp's own quantizer to Q4_K_M: Q4_K and
-    Q6_K layer matrices, a Q6_K output matrix (what most downloaded GGUFs contain)."""
+def quantized_tiny_gguf(folder: Path, ftype: int, name: str) -> Path:
+    """The tiny model 256 wide, quantized by llama.cpp's own quantizer (`ftype`: one of
+    llama_cpp's LLAMA_FTYPE_MOSTLY_*)."""
     import llama_cpp
 
-    folder = tmp_path_factory.mktemp("q4_k_m")
     f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
-    target = folder / "tiny-256-q4_k_m.gguf"
+    target = folder / name
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, 2
+    params.ftype, params.nthread = ftype, 2
     if llama_cpp.llama_model_quantize(str(f32).encode(), str(target).encode(), params) != 0:
         raise RuntimeError("llama.cpp could not quantize the tiny model")
     return target
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_K_M: Q4_K and Q6_K layer matrices, a Q6_K output matrix (what most downloaded
+    GGUFs contain)."""
+    import llama_cpp
+
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q4_k_m"),
+                               llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "tiny-256-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_0: the layer type llama.cpp's x86 code repacks for its interleaved kernels (as it
+    does IQ4_NL and MXFP4), which butter leaves to it."""
+    import llama_cpp
+
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q4_0"),
+                               llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, "tiny-256-q4_0.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -33,6 +33,7 @@ from butter.backends.kernels import (
     Kernel,
     butter_layer_types,
     layer_kernel,
+    llama_cpp_kernel,
     requested_isa,
 )
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
@@ -43,6 +44,7 @@ from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.testing.tiny_gguf import N_LAYER, write_tiny_qwen3_gguf
 from tests.backend_steps import generate_greedy, last_prompt_logits
+from tests.conftest import quantized_tiny_gguf
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "1, 2, 3, 4,"]
 
@@ -56,44 +58,29 @@ def tiny_256_q8_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_q5_k_m_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model 256 wide, quantized by llama.cpp's own quantizer to Q5_K_M: Q5_K layer
-    matrices, some Q6_K."""
-    folder = tmp_path_factory.mktemp("q5_k_m")
-    f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
-    target = folder / "tiny-256-q5_k_m.gguf"
-    params = ll.llama_model_quantize_default_params()
-    params.ftype, params.nthread = ll.LLAMA_FTYPE_MOSTLY_Q5_K_M, 2
-    assert ll.llama_model_quantize(str(f32).encode(), str(target).encode(), params) == 0
-    return target
-
-
-def _quantized_tiny(folder: Path, ftype: int, name: str) -> Path:
-    f32 = write_tiny_qwen3_gguf(folder / "tiny-256-f32.gguf", width=256, quantize=False)
-    target = folder / name
-    params = ll.llama_model_quantize_default_params()
-    params.ftype, params.nthread = ftype, 2
-    assert ll.llama_model_quantize(str(f32).encode(), str(target).encode(), params) == 0
-    return target
+    """Q5_K_M: Q5_K layer matrices, some Q6_K."""
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q5_k_m"), ll.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+                               "tiny-256-q5_k_m.gguf")
 
 
 @pytest.fixture(scope="module")
 def tiny_q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model 256 wide in Q4_1 (llama.cpp's quantizer), as SmolLM2's GGUFs."""
-    return _quantized_tiny(tmp_path_factory.mktemp("q4_1"), ll.LLAMA_FTYPE_MOSTLY_Q4_1,
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q4_1"), ll.LLAMA_FTYPE_MOSTLY_Q4_1,
                            "tiny-256-q4_1.gguf")
 
 
 @pytest.fixture(scope="module")
 def tiny_q6_k_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model 256 wide in Q6_K (llama.cpp's quantizer)."""
-    return _quantized_tiny(tmp_path_factory.mktemp("q6_k"), ll.LLAMA_FTYPE_MOSTLY_Q6_K,
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q6_k"), ll.LLAMA_FTYPE_MOSTLY_Q6_K,
                            "tiny-256-q6_k.gguf")
 
 
 @pytest.fixture(scope="module")
 def tiny_q5_0_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model 256 wide in Q5_0, the type Gemma 3 270M's Q4_K_M file has most of."""
-    return _quantized_tiny(tmp_path_factory.mktemp("q5_0"), ll.LLAMA_FTYPE_MOSTLY_Q5_0,
+    return quantized_tiny_gguf(tmp_path_factory.mktemp("q5_0"), ll.LLAMA_FTYPE_MOSTLY_Q5_0,
                            "tiny-256-q5_0.gguf")
 
 
@@ -525,6 +512,9 @@ def test_the_table_gives_butter_exactly_the_types_the_library_multiplies() -> No
         # llama.cpp's own repacking keeps what it covers on x86 (Q4_0, IQ4_NL, ...) but Q4_K
         assert layer_kernel(isa, "q4_0") is Kernel.REPACKED
         assert layer_kernel(isa, "q4_K") is Kernel.BUTTER
+        # and takes it back where butter's kernels are off (--no-fast-layers)
+        assert llama_cpp_kernel(isa, "q4_K", repack=True) is Kernel.REPACKED
+        assert llama_cpp_kernel(isa, "q4_K", repack=False) is Kernel.GENERIC
         assert layer_kernel(isa, "q3_K") is Kernel.GENERIC
     assert butter_layer_types(Isa.NEON) == [] and butter_layer_types(Isa.NONE) == []
 

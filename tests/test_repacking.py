@@ -3,7 +3,8 @@
 llama.cpp's repacked (interleaved) x86 kernels quantize and multiply batch rows four at a
 time and the rest one by one, so a row's result can depend on where it sits in the batch:
 measured on Qwen3-0.6B's shape in Q4_K_M, a prompt's last logits moved by up to 0.056 when
-another prompt shared its step (bit-identical with repacking off). On the tiny models here
+another prompt shared its step (bit-identical with repacking off). butter now multiplies
+Q4_K itself; llama.cpp still repacks Q4_0 (the file here), IQ4_NL and MXFP4. On the tiny models here
 the repacked kernels happen to agree bit for bit, so only what butter promises is pinned:
 with repacking off (`--deterministic`) a prompt's logits never depend on its neighbours,
 and with it on (the server's default, for speed) the repacked kernels serve and stay close.
@@ -33,9 +34,9 @@ OTHER = "A short one"
 
 @pytest.mark.parametrize("repack", [False, True], ids=["deterministic", "repacked"])
 def test_a_prompts_logits_do_not_depend_on_its_batch_neighbours(
-    tiny_q4_k_m_gguf: Path, repack: bool,
+    tiny_q4_0_gguf: Path, repack: bool,
 ) -> None:
-    backend = LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2,
+    backend = LlamaCppBackend(tiny_q4_0_gguf, n_cells=1024, n_seq=2, n_batch=256, threads=2,
                               fast_lm_head=False, repack=repack)
     try:
         prompt = backend.tokenize(PROMPT, add_bos=False)
@@ -71,11 +72,11 @@ def llama_log() -> Iterator[list[str]]:
 
 @pytest.mark.parametrize(("flags", "repacked"), [([], True), (["--deterministic"], False)])
 def test_the_flag_decides_whether_llama_cpp_repacks(
-    tiny_q4_k_m_gguf: Path, flags: list[str], repacked: bool,
+    tiny_q4_0_gguf: Path, flags: list[str], repacked: bool,
 ) -> None:
     if repacked and "AVX2 = 1" not in ll.llama_print_system_info().decode():
-        pytest.skip("llama.cpp repacks Q4_K for its AVX2 (x86) or NEON kernels only")
-    args = build_parser().parse_args(["serve", "--model", str(tiny_q4_k_m_gguf), *flags])
+        pytest.skip("llama.cpp repacks Q4_0 for its AVX2 (x86) or NEON kernels only")
+    args = build_parser().parse_args(["serve", "--model", str(tiny_q4_0_gguf), *flags])
     llama_loading.init_llama_backend()  # (its quiet callback first, then ours over it)
     with llama_log() as lines:
         resident = ResidentModel.load_sync(settings_from_args(args))

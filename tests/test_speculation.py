@@ -28,6 +28,7 @@ from butter.backends.base import (
     SetSampler,
 )
 from butter.backends.llama_cpp import LlamaCppBackend
+from butter.backends.llama_cpp.stepping import REPACKED_EXACT_ROWS
 from butter.chat.grammar import json_schema_grammar
 from butter.chat.request import Logprobs
 from butter.engine.drafting import PromptLookup
@@ -262,16 +263,27 @@ async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
         assert list(plain.kv_tokens[len(prompt):len(prompt) + len(generated)]) == generated
 
 
-async def test_repacked_weights_verify_at_most_three_rows(tiny_q4_k_m_gguf: Path) -> None:
-    # llama.cpp's repacked Q4_K kernels multiply rows four at a time from four rows on.
-    backend = LlamaCppBackend(tiny_q4_k_m_gguf, n_cells=2048, n_seq=1, n_batch=264,
-                              threads=2, repack=True, exact_decode=True)
+@pytest.mark.parametrize(("fixture", "fast_layers", "rows"), [
+    ("tiny_q4_0_gguf", True, 3),  # llama.cpp repacks Q4_0
+    ("tiny_q4_k_m_gguf", False, 3),  # and Q4_K where butter's layer kernels are off
+    ("tiny_q4_k_m_gguf", True, 7),  # butter's Q4_K kernel computes each row alone
+])
+async def test_a_step_verifies_as_many_rows_as_its_layer_kernels_keep_exact(
+    fixture: str, fast_layers: bool, rows: int, request: pytest.FixtureRequest,
+) -> None:
+    # llama.cpp's repacked kernels multiply rows four at a time from four rows on.
+    backend = LlamaCppBackend(request.getfixturevalue(fixture), n_cells=2048, n_seq=1,
+                              n_batch=264, threads=2, repack=True, exact_decode=True,
+                              fast_layers=fast_layers)
     try:
-        assert backend.draft_rows == 3
+        assert backend.draft_rows == rows
         prompt = backend.tokenize("one two three four five six " * 12, add_bos=False)
         (plain,) = await generate(backend, prompt, [GREEDY], 120, draft_max=0, save=True)
         (drafted,) = await generate(backend, prompt, [GREEDY], 120, draft_max=8, save=True)
-        assert drafted.stats.drafted_tokens > 0
+        stats = drafted.stats
+        assert stats.drafted_tokens > 0
+        if rows > 3:  # some step verified more rows than repacked kernels keep exact
+            assert stats.drafted_tokens > (REPACKED_EXACT_ROWS - 1) * stats.draft_steps
         assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
     finally:
         backend.close()

@@ -37,27 +37,20 @@ class Kernel(StrEnum):
     GENERIC = "llama.cpp"
 
 
-# ggml's type names (ggml_type_name) of the layer matrices each ISA's kernels cover. A type
-# not listed is GENERIC.
-LAYER_KERNELS: dict[Isa, dict[str, Kernel]] = {
-    Isa.AVX512_VNNI: {
-        "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
-        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER, "q4_K": Kernel.BUTTER,
-        "q4_0": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
-        "mxfp4": Kernel.REPACKED, "q2_K": Kernel.REPACKED,
-    },
-    Isa.AVX2: {
-        "q8_0": Kernel.BUTTER, "q6_K": Kernel.BUTTER, "q5_K": Kernel.BUTTER,
-        "q4_1": Kernel.BUTTER, "q5_0": Kernel.BUTTER, "q4_K": Kernel.BUTTER,
-        "q4_0": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
-        "mxfp4": Kernel.REPACKED,
-    },
-    Isa.NEON: {  # (planned: no butter kernel runs on ARM yet)
-        "q8_0": Kernel.REPACKED, "q6_K": Kernel.REPACKED, "q5_K": Kernel.REPACKED,
-        "q4_0": Kernel.REPACKED, "q4_K": Kernel.REPACKED, "iq4_nl": Kernel.REPACKED,
-        "mxfp4": Kernel.REPACKED,
-    },
-    Isa.NONE: {},
+# ggml's type names (ggml_type_name) of the layer matrices butter's kernels take on each ISA.
+BUTTER_LAYER_TYPES: dict[Isa, tuple[str, ...]] = {
+    Isa.AVX512_VNNI: ("q8_0", "q6_K", "q5_K", "q4_1", "q5_0", "q4_K"),
+    Isa.AVX2: ("q8_0", "q6_K", "q5_K", "q4_1", "q5_0", "q4_K"),
+    Isa.NEON: (),  # (planned: no butter kernel runs on ARM yet)
+    Isa.NONE: (),
+}
+# The layer types llama.cpp's own repacking takes on each ISA (with repacking on), where
+# butter's kernels do not take them first.
+LLAMA_CPP_REPACKS: dict[Isa, tuple[str, ...]] = {
+    Isa.AVX512_VNNI: ("q4_0", "q4_K", "iq4_nl", "mxfp4", "q2_K"),
+    Isa.AVX2: ("q4_0", "q4_K", "iq4_nl", "mxfp4"),
+    Isa.NEON: ("q8_0", "q6_K", "q5_K", "q4_0", "q4_K", "iq4_nl", "mxfp4"),
+    Isa.NONE: (),
 }
 
 # The output projection: butter's kernel reads Q8_0 and Q6_K in their own bytes; other
@@ -79,12 +72,20 @@ def isa_number(isa: Isa) -> int:
 
 
 def layer_kernel(isa: Isa, ggml_type: str) -> Kernel:
-    return LAYER_KERNELS[isa].get(ggml_type, Kernel.GENERIC)
+    """Who multiplies a layer type on this ISA with butter's kernels and repacking on."""
+    if ggml_type in BUTTER_LAYER_TYPES[isa]:
+        return Kernel.BUTTER
+    return llama_cpp_kernel(isa, ggml_type, repack=True)
+
+
+def llama_cpp_kernel(isa: Isa, ggml_type: str, *, repack: bool) -> Kernel:
+    """Who multiplies a layer type where butter's kernels do not take it."""
+    return Kernel.REPACKED if repack and ggml_type in LLAMA_CPP_REPACKS[isa] else Kernel.GENERIC
 
 
 def butter_layer_types(isa: Isa) -> list[str]:
     """The layer types butter's kernels take on this ISA."""
-    return [name for name, kernel in LAYER_KERNELS[isa].items() if kernel is Kernel.BUTTER]
+    return list(BUTTER_LAYER_TYPES[isa])
 
 
 def requested_isa(wanted: str | None, best: Isa) -> tuple[Isa, str]:

@@ -21,7 +21,7 @@ import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
 from butter.backends.gguf_tensors import read_header
-from butter.backends.kernels import Isa, Kernel, layer_kernel
+from butter.backends.kernels import Isa, llama_cpp_kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Verdict
 from butter.backends.native import Unavailable
@@ -405,10 +405,8 @@ def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, st
             who = f"butter ({isa.value})"
         elif kernel is not None and kernel.types.get(name, "butter") != "butter":
             who = kernel.types[name]  # its self-check failed
-        elif repack and layer_kernel(table_isa, name) is Kernel.REPACKED:
-            who = Kernel.REPACKED.value
         else:
-            who = Kernel.GENERIC.value
+            who = llama_cpp_kernel(table_isa, name, repack=repack).value
         verdicts[name] = f"{count} x {who}"
     return verdicts
 
