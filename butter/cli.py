@@ -103,11 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "against llama.cpp's at load; "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--fast-layers", action=argparse.BooleanOptionalAction, default=True,
-                       help="llama.cpp: butter multiplies the layers' Q8_0, Q6_K and Q5_K matrices "
-                            "with its AVX512-VNNI kernels inside llama.cpp's CPU backend where "
-                            "the CPU and the build allow (llama.cpp's x86 code has no "
-                            "interleaved kernel for either); needs weight repacking on (not "
-                            "--deterministic); "
+                       help="llama.cpp: butter multiplies the layers' Q8_0, Q6_K, Q5_K, Q4_K, "
+                            "Q4_1 and Q5_0 matrices with its AVX512-VNNI or AVX2 kernels "
+                            "inside llama.cpp's CPU backend where the CPU and the build allow "
+                            "(each row computed alone, a few rows for little more than one); "
+                            "needs weight repacking on (not --deterministic); "
                             "/v1/server says which one runs (default: on)")
     serve.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=False,
                        help="llama.cpp: turn weight repacking off, so a prompt's KV cache and "

@@ -113,7 +113,7 @@ class ServeSettings:
     threads: int = attrs.field(factory=usable_cores)
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
-    # butter's Q8_0, Q6_K, Q5_K, Q4_1 and Q5_0 layer matmuls inside llama.cpp where they apply
+    # butter's Q8_0, Q6_K, Q5_K, Q4_K, Q4_1 and Q5_0 layer matmuls inside llama.cpp where they apply
     # (backends/llama_cpp/layer_matmul.py); they need llama.cpp's extra buffer types, which
     # --deterministic turns off.
     fast_layers: bool = True
