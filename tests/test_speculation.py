@@ -28,7 +28,8 @@ from butter.backends.base import (
     SetSampler,
 )
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.backends.llama_cpp.stepping import REPACKED_EXACT_ROWS
+from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS
+from butter.backends.llama_cpp.stepping import EXACT_BATCH_ROWS, REPACKED_EXACT_ROWS
 from butter.chat.grammar import json_schema_grammar
 from butter.chat.request import Logprobs
 from butter.engine.drafting import PromptLookup
@@ -263,26 +264,30 @@ async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
         assert list(plain.kv_tokens[len(prompt):len(prompt) + len(generated)]) == generated
 
 
-@pytest.mark.parametrize(("fixture", "fast_layers", "rows"), [
-    ("tiny_q4_0_gguf", True, 3),  # llama.cpp repacks Q4_0
-    ("tiny_q4_k_m_gguf", False, 3),  # and Q4_K where butter's layer kernels are off
-    ("tiny_q4_k_m_gguf", True, 7),  # butter's Q4_K kernel computes each row alone
+@pytest.mark.parametrize(("fixture", "fast_layers", "fast_lm_head", "rows"), [
+    ("tiny_q4_0_gguf", True, True, REPACKED_EXACT_ROWS),  # llama.cpp repacks Q4_0
+    # and Q4_K where butter's layer kernels are off
+    ("tiny_q4_k_m_gguf", False, True, REPACKED_EXACT_ROWS),
+    # llama.cpp's own output projection changes path at 8 rows
+    ("tiny_q4_k_m_gguf", True, False, EXACT_BATCH_ROWS - 1),
+    # butter's kernels multiply every matrix, each row alone
+    ("tiny_q4_k_m_gguf", True, True, BUTTER_EXACT_ROWS),
 ])
-async def test_a_step_verifies_as_many_rows_as_its_layer_kernels_keep_exact(
-    fixture: str, fast_layers: bool, rows: int, request: pytest.FixtureRequest,
+async def test_a_step_verifies_as_many_rows_as_its_kernels_keep_exact(
+    fixture: str, fast_layers: bool, fast_lm_head: bool, rows: int,
+    request: pytest.FixtureRequest,
 ) -> None:
-    # llama.cpp's repacked kernels multiply rows four at a time from four rows on.
     backend = LlamaCppBackend(request.getfixturevalue(fixture), n_cells=2048, n_seq=1,
                               n_batch=264, threads=2, repack=True, exact_decode=True,
-                              fast_layers=fast_layers)
+                              fast_layers=fast_layers, fast_lm_head=fast_lm_head)
     try:
         assert backend.draft_rows == rows
         prompt = backend.tokenize("one two three four five six " * 12, add_bos=False)
         (plain,) = await generate(backend, prompt, [GREEDY], 120, draft_max=0, save=True)
-        (drafted,) = await generate(backend, prompt, [GREEDY], 120, draft_max=8, save=True)
+        (drafted,) = await generate(backend, prompt, [GREEDY], 120, draft_max=rows, save=True)
         stats = drafted.stats
         assert stats.drafted_tokens > 0
-        if rows > 3:  # some step verified more rows than repacked kernels keep exact
+        if rows > REPACKED_EXACT_ROWS:  # steps verified more rows than repacking keeps exact
             assert stats.drafted_tokens > (REPACKED_EXACT_ROWS - 1) * stats.draft_steps
         assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
     finally:

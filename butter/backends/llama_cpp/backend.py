@@ -33,7 +33,7 @@ from butter.backends.base import (
 from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.drafter import DraftModel
-from butter.backends.llama_cpp.loading import LlamaModel
+from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import (
     EXACT_BATCH_ROWS,
@@ -158,7 +158,11 @@ class LlamaCppBackend:
             return 0, "a recurrent or hybrid model cannot take back rejected draft tokens"
         repacked = any(Kernel.REPACKED.value in who
                        for who in self.model.layer_kernels.values())
-        return (REPACKED_EXACT_ROWS if repacked else EXACT_BATCH_ROWS - 1), None
+        if repacked:
+            return REPACKED_EXACT_ROWS, None
+        if self.model.butter_multiplies_every_matrix:
+            return BUTTER_EXACT_ROWS, None
+        return EXACT_BATCH_ROWS - 1, None
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 # False: its kernels can make a row's result depend on its position in the batch; see
 # docs/architecture.md.)
 MIN_PROMPT_ROWS = 8
+# Where butter's kernels multiply every matrix of a step (each layer's and the output
+# projection), each row is computed alone at any row count, and so is each query row of
+# llama.cpp's CPU flash attention below its tiles of 64 rows (stepping.PROMPT_TILE_ROWS):
+# a step of up to this many rows computes each row as alone (the output projection's
+# buffers hold this many).
+BUTTER_EXACT_ROWS = 16
 
 # butter's output projection must reproduce llama.cpp's logits to within float rounding;
 # checked once at load on a probe prompt.
@@ -97,6 +103,7 @@ class LlamaModel:
         self.repack = repack
         # who multiplies each type of layer matrix this model has (kernels.py's table)
         self.layer_kernels = layer_kernels(path, stored=stored, repack=repack)
+        self._expert_matrices = has_expert_matrices(path)
         self.ctx: Any = None
         self.batch: Any = None
         self.vocab = ll.llama_model_get_vocab(self.model)
@@ -105,7 +112,8 @@ class LlamaModel:
             cells = n_cells(self.info.n_ctx_train) if callable(n_cells) else n_cells
             self.kv_type = kv_type or parse_kv_cache("raw")
             self.lm_head, self.lm_head_by = _load_lm_head(
-                path, enabled=fast_lm_head, threads=threads, max_rows=padded_outputs(n_seq),
+                path, enabled=fast_lm_head, threads=threads,
+                max_rows=padded_outputs(max(n_seq, BUTTER_EXACT_ROWS)),
                 n_vocab=self.info.n_vocab, recurrent=self.info.is_recurrent,
             )
             self._hook = self.lm_head  # referenced by the context (cb_eval) until it is freed
@@ -127,6 +135,14 @@ class LlamaModel:
         self.batch = ll.llama_batch_init(self.n_batch, 0, 1)
 
     # ------------------------------------------------------------------ what it is
+
+    @property
+    def butter_multiplies_every_matrix(self) -> bool:
+        """butter's kernels take every layer matrix and the output projection (so a step
+        computes each row as alone at up to BUTTER_EXACT_ROWS rows)."""
+        return (self.lm_head is not None and not self._expert_matrices
+                and bool(self.layer_kernels)
+                and all(" x butter (" in who for who in self.layer_kernels.values()))
 
     def _read_info(self, path: Path) -> ModelInfo:
         description = ctypes.create_string_buffer(256)
@@ -381,6 +397,13 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
     counts = " + ".join(f"{n} {name.upper()}" for name, n in stored.items() if n)
     return (model, f"butter ({kernel.isa.value}; {counts} matrices)",
             {name for name, n in stored.items() if n})
+
+
+def has_expert_matrices(path: Path) -> bool:
+    """Whether a layer holds 3-D weights (a mixture of experts' stacked matrices, which
+    llama.cpp multiplies itself, whatever their type)."""
+    return any(t.name.startswith("blk.") and len(t.shape) > 2
+               for t in read_header(path).tensors.values())
 
 
 def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, str]:
