@@ -23,6 +23,7 @@ import butter.backends.lmhead as lmhead_module
 from butter.backends.base import BackendError, RemoveTokens, SeqWork, SetSampler
 from butter.backends.gguf_tensors import read_header
 from butter.backends.llama_cpp import LlamaCppBackend
+from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS
 from butter.backends.lmhead import (
     DECLINED,
     E_SHORT,
@@ -623,14 +624,19 @@ def test_weights_of_minus_128_count_as_minus_128(
 def test_a_step_with_more_output_rows_than_the_hook_holds_uses_llama_cpp(
     tiny_gguf: Path,
 ) -> None:
-    backend = _backend(tiny_gguf, fast=True, n_seq=1)  # the hook holds 8 rows
+    backend = _backend(tiny_gguf, fast=True, n_seq=1)
     try:
-        assert backend.model.lm_head is not None and backend.model.lm_head.rows == 8
-        prompt = tuple(backend.tokenize("Session 1 talks about boats", add_bos=False))
+        # the hook holds a verifying step's rows (BUTTER_EXACT_ROWS)
+        assert backend.model.lm_head is not None
+        assert backend.model.lm_head.rows == BUTTER_EXACT_ROWS
+        text = "Session 1 talks about boats, the harbour and the people who sail them at dawn"
+        prompt = tuple(backend.tokenize(text, add_bos=False))
+        outputs = BUTTER_EXACT_ROWS + 4  # rows with logits
+        assert len(prompt) >= outputs
         backend.step([SetSampler(0, SamplingParams(temperature=0))], [])
         work = SeqWork(0, prompt, 0, sample=True, prompt=True)
-        sampled = backend.stepper.decode([work], outputs=12)  # 12 rows with logits
-        assert backend.model.batch.n_tokens >= 12 and not backend.stepper.ours
+        sampled = backend.stepper.decode([work], outputs=outputs)
+        assert backend.model.batch.n_tokens >= outputs and not backend.stepper.ours
         assert sampled[0].token == int(np.argmax(backend.step_logits(len(prompt) - 1)))
         # The next step fits again, and butter's projection takes it.
         backend.step([], [SeqWork(0, (sampled[0].token,), len(prompt), sample=True)])
