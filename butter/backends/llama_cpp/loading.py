@@ -20,7 +20,7 @@ import llama_cpp as ll
 import numpy as np
 
 from butter.backends.base import BackendError, ModelInfo
-from butter.backends.gguf_tensors import read_header
+from butter.backends.gguf_tensors import GgufHeader, read_header
 from butter.backends.kernels import Isa, llama_cpp_kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Verdict
@@ -102,8 +102,12 @@ class LlamaModel:
                                                          fast_layers=fast_layers)
         self.repack = repack
         # who multiplies each type of layer matrix this model has (kernels.py's table)
-        self.layer_kernels = layer_kernels(path, stored=stored, repack=repack)
-        self._expert_matrices = has_expert_matrices(path)
+        header = read_header(path)
+        self.layer_kernels = layer_kernels(header, stored=stored, repack=repack)
+        # every layer matrix is butter's (each row computed alone at any row count)
+        self._butter_takes_every_layer_matrix = (
+            bool(self.layer_kernels) and set(self.layer_kernels) <= stored
+            and not has_expert_matrices(header))
         self.ctx: Any = None
         self.batch: Any = None
         self.vocab = ll.llama_model_get_vocab(self.model)
@@ -140,9 +144,7 @@ class LlamaModel:
     def butter_multiplies_every_matrix(self) -> bool:
         """butter's kernels take every layer matrix and the output projection (so a step
         computes each row as alone at up to BUTTER_EXACT_ROWS rows)."""
-        return (self.lm_head is not None and not self._expert_matrices
-                and bool(self.layer_kernels)
-                and all(" x butter (" in who for who in self.layer_kernels.values()))
+        return self.lm_head is not None and self._butter_takes_every_layer_matrix
 
     def _read_info(self, path: Path) -> ModelInfo:
         description = ctypes.create_string_buffer(256)
@@ -399,14 +401,13 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
             {name for name, n in stored.items() if n})
 
 
-def has_expert_matrices(path: Path) -> bool:
+def has_expert_matrices(header: GgufHeader) -> bool:
     """Whether a layer holds 3-D weights (a mixture of experts' stacked matrices, which
     llama.cpp multiplies itself, whatever their type)."""
-    return any(t.name.startswith("blk.") and len(t.shape) > 2
-               for t in read_header(path).tensors.values())
+    return any(t.name.startswith("blk.") and len(t.shape) > 2 for t in header.tensors.values())
 
 
-def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, str]:
+def layer_kernels(header: GgufHeader, *, stored: set[str], repack: bool) -> dict[str, str]:
     """For each type of the model's layer matrices: how many there are and who multiplies
     them ("12 x butter (AVX2)", "84 x llama.cpp (repacked)", "llama.cpp (self-check
     failed: ...)"), from kernels.py's table and what the load did."""
@@ -418,7 +419,7 @@ def layer_kernels(path: Path, *, stored: set[str], repack: bool) -> dict[str, st
     cpu_isa = this_cpu().isa
     table_isa = Isa(cpu_isa) if cpu_isa in {isa.value for isa in Isa} else Isa.NONE
     counts: dict[str, int] = {}
-    for tensor in read_header(path).tensors.values():
+    for tensor in header.tensors.values():
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2 and tensor.shape[1] > 1:
             name = layer_matmul.ggml_type_name(tensor.ggml_type)
             counts[name] = counts.get(name, 0) + 1
