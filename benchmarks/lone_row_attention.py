@@ -9,7 +9,7 @@ does (repacking on, butter's kernels), feeds it a long prompt (``--files`` of
 benchmarks/speculation.py's source files) and decodes ``--tokens`` greedy tokens alone, with
 the row-wise path on and off in turns (``--rounds`` each). A run's decode speed is its tokens
 after the first over its time less the time of a run that stops at the first token (the same
-prompt, prefilled again). Prints the CPU class and one line per model::
+prompt, prefilled again), after one run to warm up. Prints the CPU class and one line per model::
 
     python benchmarks/lone_row_attention.py MODEL.gguf [MODEL.gguf ...] --files 8
 """
@@ -27,13 +27,13 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from speculation import source_file  # noqa: E402
+from speculation import source_file
 
-from butter.backends.base import RemoveTokens  # noqa: E402
-from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul  # noqa: E402
-from butter.cpu import this_cpu  # noqa: E402
-from butter.engine.engine import Engine  # noqa: E402
-from butter.sampling import SamplingParams  # noqa: E402
+from butter.backends.base import RemoveTokens
+from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
+from butter.cpu import this_cpu
+from butter.engine.engine import Engine
+from butter.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -62,6 +62,7 @@ async def measure(path: Path, files: int, tokens: int, rounds: int, threads: int
         kernels = layer_matmul.registered()
         prompt = backend.tokenize("\n\n".join(source_file(i) for i in range(files)),
                                   add_bos=True)
+        await decode_seconds(backend, prompt, 2)  # (the first run pays one-time costs)
         speeds: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             for rowwise in (False, True):
