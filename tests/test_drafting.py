@@ -3,10 +3,14 @@ proposes, how acceptance is estimated, and how many draft rows a step takes."""
 
 from __future__ import annotations
 
+import random
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from butter.engine.drafting import (
+    CANDIDATES,
+    MAX_MATCH,
     MAX_NGRAM,
     MIN_NGRAM,
     PRIOR_ACCEPTANCE,
@@ -18,13 +22,31 @@ from butter.engine.drafting import (
 )
 
 
+def match_reach(tokens: list[int], start: int, n: int) -> int:
+    """How far back the n tokens at `start` and the tokens' end match (up to MAX_MATCH)."""
+    end, length = len(tokens), n
+    while length < MAX_MATCH and start - 1 - (length - n) >= 0 and \
+            tokens[start - 1 - (length - n)] == tokens[end - 1 - length]:
+        length += 1
+    return length
+
+
 def brute_force_proposal(tokens: list[int], limit: int) -> tuple[int, ...]:
-    """What followed the latest earlier occurrence of the longest suffix n-gram."""
-    for n in range(min(MAX_NGRAM, len(tokens)), MIN_NGRAM - 1, -1):
+    """What followed an earlier occurrence of the longest suffix n-gram: the latest one,
+    except for the longest n-grams, where of the latest CANDIDATES occurrences it is the one
+    whose match reaches furthest back (up to MAX_MATCH tokens), the latest among equals."""
+    end = len(tokens)
+    for n in range(min(MAX_NGRAM, end), MIN_NGRAM - 1, -1):
         suffix = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):  # latest first, not the suffix
-            if tokens[start:start + n] == suffix:
-                return tuple(tokens[start + n:start + n + limit])
+        starts = [start for start in range(end - n - 1, -1, -1)  # latest first, not the suffix
+                  if tokens[start:start + n] == suffix]
+        if not starts:
+            continue
+        best = starts[0]
+        if n == MAX_NGRAM:
+            best = max(starts[:CANDIDATES],
+                       key=lambda start: (match_reach(tokens, start, MAX_NGRAM), start))
+        return tuple(tokens[best + n:best + n + limit])
     return ()
 
 
@@ -46,7 +68,27 @@ def test_no_earlier_occurrence_proposes_nothing() -> None:
     assert PromptLookup([5]).propose(4) == ()
 
 
-@given(st.lists(st.integers(0, 4), max_size=60), st.integers(0, 8), st.integers(1, 10))
+def test_a_repeated_pattern_is_copied_from_where_the_match_reaches_furthest_back() -> None:
+    # A file of items "9 8 7 <i> 5" copied once and now being copied again: the last four
+    # tokens, (5, 9, 8, 7), last occurred before the copy's previous item, whose index is
+    # one less; the match reaching back through "<i-1> 5" is the original's item i.
+    items = [token for i in range(20, 26) for token in (9, 8, 7, i, 5)]
+    tokens = [*items, 1, *items[:3 * 5], 9, 8, 7]
+    assert PromptLookup(tokens).propose(3) == (23, 5, 9)
+
+
+@st.composite
+def repetitive_tokens(draw: st.DrawFn) -> list[int]:
+    """Up to 100 items drawn from a few short ones: text that repeats itself, where an
+    n-gram occurs many times (more than the lookup keeps) with different matches behind."""
+    items = draw(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=5),
+                          min_size=1, max_size=6))
+    rng = random.Random(draw(st.integers(0, 2**16)))  # (lists drawn item by item stay short)
+    return [token for _ in range(draw(st.integers(0, 100))) for token in rng.choice(items)]
+
+
+@given(st.lists(st.integers(0, 4), max_size=60) | repetitive_tokens(),
+       st.integers(0, 8), st.integers(1, 10))
 def test_the_index_agrees_with_a_brute_force_search_however_it_was_fed(
     tokens: list[int], limit: int, cut: int
 ) -> None:

@@ -1,11 +1,12 @@
 """Speculative decoding's decisions (pure): what to draft, and how much of it a step takes.
 
-A decoding session proposes the tokens that followed the latest earlier occurrence of its
-own last few tokens, in its prompt or its output (prompt lookup: no second model, one small
-index per session). The step verifies them in the same evaluation as everyone's next token
-and keeps the longest prefix the model's own sampling agrees with
-(docs/architecture.md, "Speculative decoding"). Where the lookup finds nothing, a draft
-model, if one is loaded, guesses instead (its tokens are made in the step, by the backend).
+A decoding session proposes the tokens that followed an earlier occurrence of its own last
+few tokens, in its prompt or its output: of the recent ones, the occurrence whose match
+reaches furthest back (prompt lookup: no second model, one small index per session). The
+step verifies them in the same evaluation as everyone's next token and keeps the longest
+prefix the model's own sampling agrees with (docs/architecture.md, "Speculative
+decoding"). Where the lookup finds nothing, a draft model, if one is loaded, guesses
+instead (its tokens are made in the step, by the backend).
 
 How many draft rows a step takes is a throughput decision: a session whose drafts were
 accepted with probability `a` per token expects `a + a² + ... + a^k` extra tokens from k
@@ -23,6 +24,12 @@ import attrs
 # N-gram lengths the lookup tries, longest first: a longer match is likelier to go on.
 MAX_NGRAM = 4
 MIN_NGRAM = 2
+# Among the latest CANDIDATES earlier occurrences of the longest n-gram, the lookup follows
+# the one whose match reaches furthest back (up to MAX_MATCH tokens): in text that repeats
+# a pattern (a file's functions, a list's items) the latest occurrence of the last few
+# tokens is usually the previous item, while the longer match finds the place being copied.
+CANDIDATES = 16
+MAX_MATCH = 32
 
 # A session's acceptance starts from this prior (as if PRIOR_TRIES draft tokens had been
 # tried), and every verified draft weighs the past by ACCEPTANCE_MEMORY, so a session's
@@ -43,13 +50,16 @@ COST_MEMORY = 0.2
 
 
 class PromptLookup:
-    """A session's tokens and an index of their n-grams: proposes what followed the latest
-    earlier occurrence of the longest n-gram its tokens end with."""
+    """A session's tokens and an index of their n-grams: proposes what followed the earlier
+    occurrence of the longest n-gram its tokens end with, the one matching furthest back
+    (the latest among equals)."""
 
     def __init__(self, tokens: Sequence[int] = ()) -> None:
         self._tokens: list[int] = []
-        # n-gram -> the position just after its latest occurrence (what followed it)
+        # shorter n-gram -> the position just after its latest occurrence (what followed it)
         self._after: dict[tuple[int, ...], int] = {}
+        # MAX_NGRAM-gram -> the positions just after each of its latest occurrences
+        self._after_longest: dict[tuple[int, ...], list[int]] = {}
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -62,9 +72,14 @@ class PromptLookup:
     def _append(self, token: int) -> None:
         seen = self._tokens
         end = len(seen)  # the new token's position: it follows the n-grams ending here
-        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+        for n in range(MIN_NGRAM, MAX_NGRAM):
             if end >= n:
                 self._after[tuple(seen[end - n:end])] = end
+        if end >= MAX_NGRAM:
+            after = self._after_longest.setdefault(tuple(seen[end - MAX_NGRAM:end]), [])
+            after.append(end)
+            if len(after) > 2 * CANDIDATES:  # (only the latest are looked at)
+                del after[:CANDIDATES]
         seen.append(token)
 
     def propose(self, limit: int) -> tuple[int, ...]:
@@ -72,11 +87,32 @@ class PromptLookup:
         seen = self._tokens
         if limit <= 0:
             return ()
-        for n in range(min(MAX_NGRAM, len(seen)), MIN_NGRAM - 1, -1):
-            start = self._after.get(tuple(seen[-n:]))
+        start = self._furthest_match()
+        for n in range(min(MAX_NGRAM - 1, len(seen)), MIN_NGRAM - 1, -1):
             if start is not None:
-                return tuple(seen[start:start + limit])
-        return ()
+                break
+            start = self._after.get(tuple(seen[-n:]))
+        return () if start is None else tuple(seen[start:start + limit])
+
+    def _furthest_match(self) -> int | None:
+        """Of the latest occurrences of the last MAX_NGRAM tokens, the position after the
+        one whose match with the tokens' end reaches furthest back."""
+        seen = self._tokens
+        end = len(seen)
+        if end < MAX_NGRAM:
+            return None
+        after = self._after_longest.get(tuple(seen[-MAX_NGRAM:]))
+        if not after:
+            return None
+        best, best_length = after[-1], 0
+        for start in reversed(after[-CANDIDATES:]):
+            length = MAX_NGRAM
+            while length < MAX_MATCH and length < start and \
+                    seen[start - 1 - length] == seen[end - 1 - length]:
+                length += 1
+            if length > best_length:
+                best, best_length = start, length
+        return best
 
 
 @attrs.define
