@@ -161,6 +161,17 @@ def test_a_probe_drafts_one_token_whatever_the_estimate() -> None:
     assert draft_lengths(offers, base_rows=2, max_rows=7, costs=flat_costs(1.0)) == [1, 0]
 
 
+def test_no_probe_where_even_a_kept_token_would_not_pay_for_its_row() -> None:
+    # Eight rows cost 28 ms, nine 34.5: a ninth row would need 1.76 tokens to pay.
+    costs = StepCosts({8: 0.028, 9: 0.0345, 10: 0.040})
+    probes = [DraftOffer((1, 2), acceptance=0.5, probe=True) for _ in range(8)]
+    assert draft_lengths(probes, base_rows=8, max_rows=16, costs=costs) == [0] * 8
+    probes = probes[:7]
+    # With one row fewer in the step, a kept token pays for the eighth: one probe, not two.
+    assert draft_lengths(probes, base_rows=7, max_rows=16,
+                         costs=StepCosts({7: 0.026, 8: 0.028, 9: 0.0345})) == [1] + [0] * 6
+
+
 def test_an_unmeasured_step_size_is_guessed_a_little_dearer_than_the_nearest_measured() -> None:
     costs = StepCosts()
     assert costs.cost(3) > costs.cost(1)  # relative units before any measurement

@@ -172,7 +172,7 @@ class DraftOffer:
 
     proposal: tuple[int, ...]
     acceptance: float
-    probe: bool = False  # draft one token whatever the estimate says
+    probe: bool = False  # draft one token whatever the estimate (where a kept one pays)
     token_cost: float = 0.0  # seconds each draft token costs to make (a draft model's)
     guessed: bool = False  # the draft model makes its tokens in the step (placeholders here)
 
@@ -182,7 +182,11 @@ def draft_lengths(offers: Sequence[DraftOffer], base_rows: int, max_rows: int,
     """How many of each offer's tokens the step verifies: the total that maximizes the
     expected tokens per second (the step's `base_rows` decode rows each bring one token;
     a session's j-th draft token brings acceptance**j more), never past `max_rows` rows."""
-    lengths = [1 if offer.probe and offer.proposal else 0 for offer in offers]
+    lengths = [0] * len(offers)
+    for index, offer in enumerate(offers):  # (a probe's row must pay were its token kept)
+        if offer.probe and offer.proposal and \
+                _a_kept_token_pays(base_rows + sum(lengths), offer.token_cost, costs):
+            lengths[index] = 1
     room = max_rows - base_rows - sum(lengths)
     if room <= 0:
         return [0] * len(offers) if room < 0 else lengths
@@ -205,3 +209,11 @@ def draft_lengths(offers: Sequence[DraftOffer], base_rows: int, max_rows: int,
     for _, index in gains[:best_total]:
         lengths[index] += 1
     return lengths
+
+
+def _a_kept_token_pays(rows: int, token_cost: float, costs: StepCosts) -> bool:
+    """Whether one more row, its token certain to be kept, makes the step yield more tokens
+    per second: where it does not (many rows already, each one dear), no estimate of a
+    session's acceptance could make its drafts pay, so probing it only slows the step."""
+    return (rows + 1) / (costs.cost(rows + 1) + token_cost) >= rows / costs.cost(rows)
+
