@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -170,6 +171,18 @@ def test_no_probe_where_even_a_kept_token_would_not_pay_for_its_row() -> None:
     # With one row fewer in the step, a kept token pays for the eighth: one probe, not two.
     assert draft_lengths(probes, base_rows=7, max_rows=16,
                          costs=StepCosts({7: 0.026, 8: 0.028, 9: 0.0345})) == [1] + [0] * 6
+
+
+def test_a_size_seldom_taken_is_judged_at_todays_cost_level() -> None:
+    costs = StepCosts()
+    costs.observe(8, 0.028)
+    costs.observe(9, 0.0345)
+    for _ in range(30):  # the sequences grow: eight rows now cost a fifth more
+        costs.observe(8, 0.028 * 1.2)
+    assert costs.cost(8) == pytest.approx(0.028 * 1.2, rel=0.01)
+    # Nine rows were never measured again, yet they carry most of the rise, not the 0.0345
+    # of their day (the rest is read as eight rows growing dearer than nine).
+    assert 0.0345 * 1.15 < costs.cost(9) < 0.0345 * 1.2
 
 
 def test_an_unmeasured_step_size_is_guessed_a_little_dearer_than_the_nearest_measured() -> None:

@@ -45,8 +45,11 @@ PROBE_EVERY = 32
 # Until steps of n rows have been measured, they are assumed to cost this much more per
 # extra row than the nearest measured size (optimistic, so that each size gets measured).
 UNMEASURED_ROW_COST = 0.05
-# Weight of a new measurement of a step size's cost.
-COST_MEMORY = 0.2
+# Weight of every step's surprise in the cost level all step sizes share (it follows the
+# sequences' growth), and of a new measurement in a size's own cost at that level (how
+# much dearer than other sizes it is, which changes little).
+LEVEL_MEMORY = 0.2
+SHAPE_MEMORY = 0.05
 
 
 class PromptLookup:
@@ -141,18 +144,28 @@ class Acceptance:
 
 @attrs.define
 class StepCosts:
-    """What decode-only steps cost, by their number of rows (seconds, smoothed)."""
+    """What decode-only steps cost, by their number of rows: each size's own cost (smoothed)
+    times a level that every step moves. Steps grow dearer together as the sequences grow,
+    and a size the engine seldom takes would otherwise keep the cost of its day, below what
+    it costs now, while the size taken at every step keeps up."""
 
-    seconds: dict[int, float] = attrs.field(factory=dict)
+    seconds: dict[int, float] = attrs.field(factory=dict)  # by rows, at level 1
+    level: float = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
         known = self.seconds.get(rows)
-        self.seconds[rows] = seconds if known is None else \
-            known + COST_MEMORY * (seconds - known)
+        if known is None:
+            self.seconds[rows] = seconds / self.level
+            return
+        self.level *= 1 + LEVEL_MEMORY * (seconds / (self.level * known) - 1)
+        self.seconds[rows] = known + SHAPE_MEMORY * (seconds / self.level - known)
 
     def cost(self, rows: int) -> float:
         """The measured cost of `rows` rows, else an optimistic guess from the nearest
         measured smaller size (relative units when nothing is measured yet)."""
+        return self.level * self._cost_at_level_one(rows)
+
+    def _cost_at_level_one(self, rows: int) -> float:
         if rows in self.seconds:
             return self.seconds[rows]
         smaller = [n for n in self.seconds if n < rows]
