@@ -103,12 +103,3 @@ def requested_isa(wanted: str | None, best: Isa) -> tuple[Isa, str]:
     if isa_number(isa) > isa_number(best):
         return Isa.NONE, f"BUTTER_KERNEL_ISA={wanted}: this CPU lacks it"
     return isa, "" if isa is best else f"BUTTER_KERNEL_ISA={wanted}"
-
-
-def rowwise_attention_fits(query_heads: int, threads: int) -> bool:
-    """Whether a one-row step's flash attention may run as each row of a bigger step does
-    (one head per task, over all its cells) rather than split over the cells among the
-    threads (llama.cpp's own choice from 512 cells on): only where the query heads spread
-    evenly over the threads, so that no thread waits on another's extra head
-    (benchmarks/RESULTS.md, "Exact lone rows")."""
-    return query_heads > 0 and threads > 0 and query_heads % threads == 0

@@ -54,6 +54,7 @@
 #include <Python.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -66,8 +67,9 @@
 #include "q4_k_q5_k_tiles.h"
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
+#include "decode_attention.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 8
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 9
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -89,8 +91,8 @@
 #define TYPE_BIT_Q4_K 32
 
 /* butter_layer_matmul_counters: Q8_0, Q6_K and Q5_K matrices, packed bytes, matmuls, rows,
- * Q4_1, Q5_0 and Q4_K matrices */
-#define COUNTERS 9
+ * Q4_1, Q5_0 and Q4_K matrices, attentions computed and their query rows */
+#define COUNTERS 11
 
 namespace ggml_mirror {
 
@@ -100,6 +102,7 @@ constexpr int MAX_OP_PARAMS = 64;
 constexpr int MAX_SRC = 10;
 constexpr int MAX_NAME = 64;
 constexpr int TYPE_F32 = 0;
+constexpr int TYPE_F16 = 1;
 constexpr int TYPE_Q8_0 = 8;
 constexpr int TYPE_Q5_K = 13;
 constexpr int TYPE_Q4_K = 12;
@@ -224,8 +227,9 @@ struct init_params {
     "ggml_get_data,ggml_row_size,ggml_quantize_chunk,"                                      \
     "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
     "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
-    "ggml_backend_buft_get_device"
-constexpr size_t FUNCTION_COUNT = 25;
+    "ggml_backend_buft_get_device,ggml_new_tensor_3d,ggml_flash_attn_ext,"                  \
+    "ggml_fp32_to_fp16_row,ggml_reset"
+constexpr size_t FUNCTION_COUNT = 29;
 
 struct Ggml {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
@@ -255,6 +259,12 @@ struct Ggml {
     void *(*buffer_get_base)(backend_buffer *buffer);
     size_t (*buffer_get_size)(backend_buffer *buffer);
     void *(*buft_get_device)(backend_buffer_type *buft);
+    /* for the attention probe */
+    tensor *(*new_tensor_3d)(void *ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2);
+    tensor *(*flash_attn_ext)(void *ctx, tensor *q, tensor *k, tensor *v, tensor *mask,
+                              float scale, float max_bias, float logit_softcap);
+    void (*fp32_to_fp16_row)(const float *x, uint16_t *y, int64_t n);
+    void (*reset)(void *ctx);
 };
 static_assert(sizeof(Ggml) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 
@@ -593,60 +603,201 @@ class Traits : public ggml_mirror::tensor_traits {
 
 Traits traits;
 
-/* Flash attention for a lone query row. From 512 KV cells on, ggml computes the one row of a
- * one-row step by splitting the cells among its threads and merging their partial softmax
- * sums, but each row of a bigger step over all of its cells in order on one thread: the two
- * round differently, so a decode row verified beside draft rows (or beside another request's
- * row) would not be the lone row it stands for. With `rowwise_attention` on, a one-row
- * attention runs with ggml's use_ref set, which for flash attention selects exactly the
- * per-row path (its other use there, the tiled path, starts at 64 rows). use_ref is set in
- * the computing thread's own parameters, which last one graph computation, and is put back
- * at the next op that thread computes (it also selects a mul_mat's plain Hadamard path). */
-std::atomic<bool> rowwise_attention{false};
-thread_local bool use_ref_raised = false;
-thread_local bool use_ref_before = false;
+/* Decode attention (decode_attention.h): with `decode_attention` on, a flash attention of
+ * fewer than ATTENTION_MAX_ROWS query rows over an f16 or f32 cache is computed here, every
+ * row the same way whatever the step holds; anything else stays with llama.cpp. Turned on
+ * and off between graph computations (a graph is planned and computed under one setting). */
+std::atomic<bool> decode_attention{false};
+std::atomic<int64_t> attentions{0}, attention_rows{0}, probe_attentions{0};
 
-class RowwiseAttention : public ggml_mirror::tensor_traits {
-    bool work_size(int n_threads, const tensor *op, size_t &size) override {
-        (void)n_threads, (void)op, (void)size;
-        return false; /* ggml's own figure (it covers both paths) */
+bool is_f16_or_f32(const tensor *t) {
+    return t->type == ggml_mirror::TYPE_F16 || t->type == ggml_mirror::TYPE_F32;
+}
+
+size_t element_bytes(const tensor *t) { return t->type == ggml_mirror::TYPE_F16 ? 2 : 4; }
+
+/* Whether butter computes this op: shapes and types decode_attention.h handles. */
+bool takes_attention(const tensor *op) {
+    if (op->op != ggml_mirror::OP_FLASH_ATTN_EXT || kernel_isa == ISA_NONE) {
+        return false;
+    }
+    const tensor *q = op->src[0], *k = op->src[1], *v = op->src[2], *mask = op->src[3],
+                 *sinks = op->src[4];
+    if (q == nullptr || k == nullptr || v == nullptr || q->type != ggml_mirror::TYPE_F32 ||
+        !is_f16_or_f32(k) || !is_f16_or_f32(v)) {
+        return false;
+    }
+    const int64_t dk = k->ne[0], dv = v->ne[0];
+    return q->ne[1] < ATTENTION_MAX_ROWS && dk % 8 == 0 && dv % 8 == 0 && q->ne[0] == dk &&
+           k->ne[2] > 0 && q->ne[2] % k->ne[2] == 0 && v->ne[2] == k->ne[2] &&
+           v->ne[1] == k->ne[1] && q->ne[3] == k->ne[3] && v->ne[3] == k->ne[3] &&
+           q->nb[0] == sizeof(float) && k->nb[0] == element_bytes(k) &&
+           v->nb[0] == element_bytes(v) &&
+           (mask == nullptr || (mask->type == ggml_mirror::TYPE_F16 &&
+                                mask->nb[0] == sizeof(uint16_t) && mask->ne[0] >= k->ne[1] &&
+                                mask->ne[1] >= q->ne[1] && mask->ne[2] == 1)) &&
+           (sinks == nullptr || sinks->type == ggml_mirror::TYPE_F32) &&
+           op->nb[0] == sizeof(float) && op->ne[0] == dv;
+}
+
+AttentionView attention_view(const tensor *op) {
+    const tensor *q = op->src[0], *k = op->src[1], *v = op->src[2], *mask = op->src[3],
+                 *sinks = op->src[4];
+    AttentionView a{};
+    a.dk = k->ne[0], a.dv = v->ne[0];
+    a.rows = q->ne[1], a.heads = q->ne[2], a.kv_heads = k->ne[2], a.cells = k->ne[1];
+    a.seqs = q->ne[3];
+    a.q = (const char *)q->data, a.q_row = q->nb[1], a.q_head = q->nb[2], a.q_seq = q->nb[3];
+    a.k = (const char *)k->data, a.k_cell = k->nb[1], a.k_head = k->nb[2], a.k_seq = k->nb[3];
+    a.v = (const char *)v->data, a.v_cell = v->nb[1], a.v_head = v->nb[2], a.v_seq = v->nb[3];
+    a.k_f16 = k->type == ggml_mirror::TYPE_F16, a.v_f16 = v->type == ggml_mirror::TYPE_F16;
+    if (mask != nullptr) {
+        a.mask = (const uint16_t *)mask->data;
+        a.mask_row = mask->nb[1], a.mask_seq = mask->nb[3], a.mask_seqs = mask->ne[3];
+    }
+    a.sinks = sinks != nullptr ? (const float *)sinks->data : nullptr;
+    a.dst = (char *)op->data, a.dst_row = op->nb[1];
+    memcpy(&a.scale, (const float *)op->op_params + 0, sizeof(float));
+    memcpy(&a.max_bias, (const float *)op->op_params + 1, sizeof(float));
+    memcpy(&a.softcap, (const float *)op->op_params + 2, sizeof(float));
+    if (a.softcap != 0.0f) {
+        a.scale /= a.softcap; /* llama.cpp's order: tanh of the scaled score, times the cap */
+    }
+    return a;
+}
+
+/* The work buffer holds each (row, head)'s folded partial, the cells each row sees, the
+ * partials of a wave of chunks (as many as fit in ATTENTION_WAVE_BYTES, at least one: more
+ * chunks take more waves, with the same folds in the same order) and a chunk's scores per
+ * thread. */
+constexpr size_t ATTENTION_WAVE_BYTES = (size_t)8 << 20;
+
+struct AttentionWork {
+    int64_t rows, pairs, partial, cells, wave;
+    size_t folded_bytes, cells_bytes, wave_bytes, scores_bytes;
+
+    explicit AttentionWork(const tensor *op) {
+        const tensor *q = op->src[0], *k = op->src[1], *v = op->src[2];
+        rows = q->ne[3] * q->ne[1];
+        pairs = rows * q->ne[2];
+        partial = 2 + v->ne[0];
+        cells = k->ne[1];
+        const int64_t chunks = attention_chunks(cells);
+        const int64_t fit = (int64_t)(ATTENTION_WAVE_BYTES / ((size_t)pairs * partial * 4));
+        wave = chunks < fit ? chunks : fit;
+        wave = wave > 1 ? wave : 1;
+        folded_bytes = aligned((size_t)pairs * partial * sizeof(float));
+        cells_bytes = aligned((size_t)rows * (cells * sizeof(int32_t) + sizeof(int64_t)));
+        wave_bytes = aligned((size_t)(pairs * wave * partial) * sizeof(float));
+        scores_bytes = aligned(ATTENTION_CHUNK * sizeof(float));
     }
 
-    bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
-        (void)op;
-        if (!use_ref_raised) {
-            use_ref_before = params->use_ref;
-            use_ref_raised = true;
+    size_t bytes(int n_threads) const {
+        return folded_bytes + cells_bytes + wave_bytes + (size_t)n_threads * scores_bytes + ALIGN;
+    }
+};
+
+#ifdef BUTTER_X86
+
+void attend(ggml_mirror::compute_params *params, tensor *op) {
+    const AttentionView a = attention_view(op);
+    const AttentionWork work(op);
+    const int ith = params->ith, nth = params->nth;
+    char *base = (char *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
+    float *folded = (float *)base;
+    int64_t *seen = (int64_t *)(base + work.folded_bytes); /* per row: how many cells */
+    int32_t *cells = (int32_t *)(seen + work.rows);         /* per row: which, in order */
+    float *partials = (float *)(base + work.folded_bytes + work.cells_bytes);
+    float *scores = (float *)(base + work.folded_bytes + work.cells_bytes + work.wave_bytes +
+                              ith * work.scores_bytes);
+    const int64_t P = work.partial, group = a.heads / a.kv_heads;
+    /* Each thread lists the cells of the rows it folds, and folds and finishes its own pairs:
+     * no barrier before the first fold but the one that shares the lists. */
+    for (int64_t r = ith; r < work.rows; r += nth) {
+        seen[r] = attention_visible(a, r / a.rows, r % a.rows, cells + r * work.cells);
+    }
+    for (int64_t p = ith; p < work.pairs; p += nth) {
+        float *f = folded + p * P;
+        f[0] = -INFINITY;
+        memset(f + 1, 0, (size_t)(P - 1) * sizeof(float));
+    }
+    barrier(params);
+    int64_t chunks = 0;
+    for (int64_t r = 0; r < work.rows; r++) {
+        chunks = attention_chunks(seen[r]) > chunks ? attention_chunks(seen[r]) : chunks;
+    }
+    for (int64_t start = 0; start < chunks; start += work.wave) {
+        const int64_t wc = chunks - start < work.wave ? chunks - start : work.wave;
+        /* Each thread takes a run of tasks, KV heads of a chunk next to each other: a cache
+         * stores a cell's heads side by side, so they share cache lines. */
+        const int64_t tasks = work.rows * wc * a.kv_heads;
+        const int64_t first_task = tasks * ith / nth, end_task = tasks * (ith + 1) / nth;
+        for (int64_t t = first_task; t < end_task; t++) {
+            const int64_t kv_head = t % a.kv_heads, c = t / a.kv_heads % wc,
+                          r = t / a.kv_heads / wc;
+            const int64_t first = (start + c) * ATTENTION_CHUNK;
+            if (first >= seen[r]) {
+                continue; /* this row has fewer chunks */
+            }
+            const int64_t n = seen[r] - first < ATTENTION_CHUNK ? seen[r] - first : ATTENTION_CHUNK;
+            attention_chunk(a, r / a.rows, r % a.rows, kv_head, cells + r * work.cells + first,
+                            n, scores,
+                            partials + ((r * a.heads + kv_head * group) * wc + c) * P, wc * P);
         }
-        params->use_ref = true;
-        return false; /* ggml computes it, on the path use_ref selects */
+        barrier(params);
+        for (int64_t p = ith; p < work.pairs; p += nth) {
+            const int64_t r = p / a.heads;
+            for (int64_t c = 0; c < wc && (start + c) * ATTENTION_CHUNK < seen[r]; c++) {
+                attention_fold(a.dv, folded + p * P, partials + (p * wc + c) * P);
+            }
+        }
+        if (start + work.wave < chunks) {
+            barrier(params); /* the next wave writes over these partials */
+        }
     }
-};
+    for (int64_t p = ith; p < work.pairs; p += nth) {
+        const int64_t r = p / a.heads;
+        attention_finish(a, r / a.rows, r % a.rows, p % a.heads, folded + p * P);
+    }
+    if (ith == 0) {
+        if (probing.load()) {
+            probe_attentions.fetch_add(1, std::memory_order_relaxed);
+        } else {
+            attentions.fetch_add(1, std::memory_order_relaxed);
+            attention_rows.fetch_add(work.rows, std::memory_order_relaxed);
+        }
+    }
+}
 
-class PutBackUseRef : public ggml_mirror::tensor_traits {
+#endif /* BUTTER_X86 */
+
+class DecodeAttention : public ggml_mirror::tensor_traits {
     bool work_size(int n_threads, const tensor *op, size_t &size) override {
-        (void)n_threads, (void)op, (void)size;
-        return false;
+        size = AttentionWork(op).bytes(n_threads);
+        return true;
     }
 
     bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
-        (void)op;
-        params->use_ref = use_ref_before;
-        use_ref_raised = false;
+#ifdef BUTTER_X86
+        if (params->wsize < AttentionWork(op).bytes(params->nth)) {
+            return false; /* planned under the other setting: llama.cpp computes it */
+        }
+        attend(params, op);
+        return true;
+#else
+        (void)params, (void)op;
         return false;
+#endif
     }
 };
 
-RowwiseAttention rowwise_attention_traits;
-PutBackUseRef put_back_use_ref;
+DecodeAttention decode_attention_traits;
 
 ggml_mirror::tensor_traits *attention_path(const tensor *op) {
-    const tensor *q = op->src[0];
-    if (op->op == ggml_mirror::OP_FLASH_ATTN_EXT && q != nullptr && q->ne[1] == 1 &&
-        rowwise_attention.load(std::memory_order_relaxed)) {
-        return &rowwise_attention_traits;
+    if (decode_attention.load(std::memory_order_relaxed) && takes_attention(op)) {
+        return &decode_attention_traits;
     }
-    return use_ref_raised ? &put_back_use_ref : nullptr;
+    return nullptr;
 }
 
 class TileBufferType : public ggml_mirror::extra_buffer_type {
@@ -864,6 +1015,26 @@ int mirror_disagreements() {
         y->src[2] != nullptr || y->ne[0] != 3 || y->ne[1] != 2) {
         wrong |= FIELD_OP;
     }
+    /* a flash attention: its sources and parameters where decode_attention.h reads them */
+    tensor *q = ggml.new_tensor_3d(host.ctx, ggml_mirror::TYPE_F32, 64, 3, 4);
+    tensor *k = ggml.new_tensor_3d(host.ctx, ggml_mirror::TYPE_F16, 64, 256, 2);
+    tensor *mask = ggml.new_tensor_2d(host.ctx, ggml_mirror::TYPE_F16, 256, 3);
+    tensor *a = q == nullptr || k == nullptr || mask == nullptr
+                    ? nullptr
+                    : ggml.flash_attn_ext(host.ctx, q, k, k, mask, 0.125f, 0.5f, 30.0f);
+    if (a == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    const float *params = (const float *)a->op_params;
+    if (a->op != ggml_mirror::OP_FLASH_ATTN_EXT || a->src[0] != q || a->src[1] != k ||
+        a->src[2] != k || a->src[3] != mask || a->src[4] != nullptr || params[0] != 0.125f ||
+        params[1] != 0.5f || params[2] != 30.0f || a->ne[0] != 64 || a->ne[1] != 4 ||
+        a->ne[2] != 3 || a->ne[3] != 1) {
+        wrong |= FIELD_OP;
+    }
+    if (k->type != ggml_mirror::TYPE_F16 || k->nb[0] != 2 || k->nb[1] != 128) {
+        wrong |= FIELD_TYPE | FIELD_NB;
+    }
     if (w->buffer != nullptr || w->extra != nullptr) {
         wrong |= FIELD_BUFFER | FIELD_EXTRA;
     }
@@ -951,9 +1122,9 @@ int32_t butter_layer_matmul_abi_version(void) { return BUTTER_LAYER_MATMUL_ABI_V
 
 /* The mirror's figures, for Python to check against the running ggml: sizeof(tensor),
  * the F32, Q8_0, Q6_K and Q5_K type numbers, the MUL_MAT op number, the Q4_1, Q5_0 and Q4_K
- * type numbers, the FLASH_ATTN_EXT op number. */
+ * type numbers, the FLASH_ATTN_EXT op number, the F16 type number. */
 int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
-    if (out == nullptr || out_bytes < 10 * sizeof(int64_t)) {
+    if (out == nullptr || out_bytes < 11 * sizeof(int64_t)) {
         return BUTTER_E_ARGUMENT;
     }
     out[0] = (int64_t)sizeof(tensor);
@@ -966,6 +1137,7 @@ int32_t butter_layer_matmul_mirror(int64_t *out, size_t out_bytes) {
     out[7] = ggml_mirror::TYPE_Q5_0;
     out[8] = ggml_mirror::TYPE_Q4_K;
     out[9] = ggml_mirror::OP_FLASH_ATTN_EXT;
+    out[10] = ggml_mirror::TYPE_F16;
     return BUTTER_OK;
 }
 
@@ -1037,10 +1209,10 @@ int32_t butter_layer_matmul_register(void *cpu_device, int32_t isa, int32_t type
     return BUTTER_OK;
 }
 
-/* Whether a one-row flash attention is computed as each row of a bigger step is (see
- * RowwiseAttention), from the next op on. */
-int32_t butter_layer_matmul_rowwise_attention(int32_t on) {
-    rowwise_attention.store(on != 0);
+/* Whether butter computes the decode steps' attention (decode_attention.h), from the next
+ * graph on. */
+int32_t butter_layer_matmul_decode_attention(int32_t on) {
+    decode_attention.store(on != 0);
     return BUTTER_OK;
 }
 
@@ -1094,6 +1266,95 @@ int32_t butter_layer_matmul_self_check(int32_t type, int64_t k, int64_t n, int64
     return BUTTER_OK;
 }
 
+/* One flash attention through a real ggml graph on `threads` threads, with butter's decode
+ * attention on (`butter` 1) or llama.cpp's own: `rows` query rows of `heads` heads over
+ * `cells` f16 cells of `kv_heads` heads, `dim` wide, scaled by 1/sqrt(dim). The keys and
+ * values come from `seed`, query row r from `seed` + 1 + r, and row r sees every cell but
+ * those c with c % 5 == r % 5, so the first rows of a bigger probe are those of a smaller one.
+ * The graph is computed `repeats` times (for benchmarks/decode_attention.py: *seconds gets
+ * the time they took). out: the rows x heads x dim results; *ran: 1 if butter computed
+ * them. */
+int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_t cells,
+                                            int64_t heads, int64_t kv_heads, int64_t dim,
+                                            int32_t threads, int64_t seed, int32_t repeats,
+                                            float *out, size_t out_bytes, int32_t *ran,
+                                            double *seconds) {
+    if (out == nullptr || ran == nullptr || seconds == nullptr || repeats <= 0 || rows <= 0 ||
+        cells <= 0 || kv_heads <= 0 ||
+        heads % kv_heads != 0 || dim <= 0 || threads <= 0 ||
+        out_bytes < (size_t)(rows * heads * dim) * sizeof(float)) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    const size_t kv_floats = (size_t)(dim * cells * kv_heads);
+    Context compute(2 * kv_floats * sizeof(float) + (size_t)(rows * (heads * dim * 2 + cells)) *
+                        sizeof(float) + ((size_t)16 << 20), false);
+    if (compute.ctx == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    tensor *q = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F32, dim, rows, heads);
+    tensor *k = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, cells, kv_heads);
+    tensor *v = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, cells, kv_heads);
+    tensor *mask = ggml.new_tensor_2d(compute.ctx, ggml_mirror::TYPE_F16, cells, rows);
+    if (q == nullptr || k == nullptr || v == nullptr || mask == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    std::vector<float> values(kv_floats);
+    probe_values((uint64_t)seed, values.data(), (int64_t)kv_floats);
+    ggml.fp32_to_fp16_row(values.data(), (uint16_t *)ggml.get_data(k), (int64_t)kv_floats);
+    probe_values((uint64_t)seed + 1000003, values.data(), (int64_t)kv_floats);
+    ggml.fp32_to_fp16_row(values.data(), (uint16_t *)ggml.get_data(v), (int64_t)kv_floats);
+    std::vector<float> row(dim), hidden(cells);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t h = 0; h < heads; h++) {
+            probe_values((uint64_t)(seed + 1 + r) * 131 + (uint64_t)h, row.data(), dim);
+            for (int64_t d = 0; d < dim; d++) {
+                row[d] *= 4.0f; /* scores spread enough that the softmax is not flat */
+            }
+            memcpy((char *)ggml.get_data(q) + r * q->nb[1] + h * q->nb[2], row.data(),
+                   (size_t)dim * sizeof(float));
+        }
+        for (int64_t c = 0; c < cells; c++) {
+            hidden[c] = c % 5 == r % 5 ? -INFINITY : 0.0f;
+        }
+        ggml.fp32_to_fp16_row(hidden.data(),
+                              (uint16_t *)((char *)ggml.get_data(mask) + r * mask->nb[1]), cells);
+    }
+    tensor *y = ggml.flash_attn_ext(compute.ctx, q, k, v, mask, 1.0f / sqrtf((float)dim), 0.0f,
+                                    0.0f);
+    void *graph = y == nullptr ? nullptr : ggml.new_graph(compute.ctx);
+    if (graph == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    ggml.build_forward_expand(graph, y);
+    const bool was_on = decode_attention.load();
+    decode_attention.store(butter != 0);
+    probing.store(true);
+    const int64_t ran_before = probe_attentions.load();
+    const auto start = std::chrono::steady_clock::now();
+    int status = ggml_mirror::STATUS_SUCCESS;
+    Context work((size_t)256 << 20, false); /* (pages are touched only as the work needs) */
+    for (int32_t i = 0; work.ctx != nullptr && i < repeats &&
+                        status == ggml_mirror::STATUS_SUCCESS; i++) {
+        ggml.reset(work.ctx); /* each computation takes its work buffer from the context */
+        status = ggml.graph_compute_with_ctx(work.ctx, graph, threads);
+    }
+    if (work.ctx == nullptr) {
+        status = ggml_mirror::STATUS_SUCCESS + 1;
+    }
+    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    *ran = probe_attentions.load() > ran_before ? 1 : 0;
+    probing.store(false);
+    decode_attention.store(was_on);
+    if (status != ggml_mirror::STATUS_SUCCESS) {
+        return BUTTER_E_STATE;
+    }
+    memcpy(out, ggml.get_data(y), (size_t)(rows * heads * dim) * sizeof(float));
+    return BUTTER_OK;
+}
+
 /* Takes the buffer type called `name` out of the CPU backend's extra buffer types, so that
  * llama.cpp never offers weights to it (before llama.cpp first lists them, like register).
  * BUTTER_DECLINED: none has that name. */
@@ -1136,6 +1397,8 @@ int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) {
     out[3] = packed_bytes.load();
     out[4] = matmuls.load();
     out[5] = matmul_rows.load();
+    out[9] = attentions.load();
+    out[10] = attention_rows.load();
     return BUTTER_OK;
 }
 

@@ -30,7 +30,7 @@ from butter.backends.base import (
     StepResult,
     apply_kv_ops,
 )
-from butter.backends.kernels import Kernel, rowwise_attention_fits
+from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
@@ -69,8 +69,8 @@ class LlamaCppBackend:
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
         `exact_decode`: every decode row is computed as a row of a bigger step is: a one-row
         step gets a scratch row (stepping.ONE_ROW_SCRATCH; slower where llama.cpp's
-        lone-row attention or its repacked kernels are faster), unless its attention is
-        computed row-wise already (`lone_row_attention`).
+        lone-row attention or its repacked kernels are faster), unless butter computes the
+        attention (`decode_attention`), which already computes a lone row that way.
         `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
         decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
         `draft_required`, else stays unloaded, and `draft_model_off` says why."""
@@ -105,10 +105,9 @@ class LlamaCppBackend:
         self.shaper = StepShaper(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
-        self.rowwise_attention, self.lone_row_attention = self._choose_lone_row_attention(
-            threads)
-        # (a lone row computed as a bigger step's row needs no scratch row beside it)
-        pad_one_row = cpu and exact_decode and not self.rowwise_attention
+        self.butter_attention, self.decode_attention = self._choose_decode_attention()
+        # (butter computes a lone row as a bigger step's row: no scratch row beside it)
+        pad_one_row = cpu and exact_decode and not self.butter_attention
         self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
                                pad_one_row=pad_one_row, drafter=self.drafter)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
@@ -170,24 +169,22 @@ class LlamaCppBackend:
             return BUTTER_EXACT_ROWS, None
         return EXACT_BATCH_ROWS - 1, None
 
-    def _choose_lone_row_attention(self, threads: int) -> tuple[bool, str]:
-        """How a one-row step's attention is computed from 512 cells on: as a row of a
-        bigger step, so that a decode row verified beside drafts or beside other requests is
-        bit for bit the lone row it stands for (layer_matmul.LayerMatmul.rowwise_attention),
-        where that costs little; else split over the cells, llama.cpp's way. The choice is
-        process-wide, made for each model loaded. Returns whether it is row-wise, and how
-        it is computed, in words."""
+    def _choose_decode_attention(self) -> tuple[bool, str]:
+        """Who computes decode steps' attention: butter (layer_matmul.LayerMatmul
+        .decode_attention), each row over its cells in fixed chunks, so that a decode row
+        verified beside drafts or beside other requests is bit for bit the lone row it
+        stands for at any context length; or llama.cpp, which from 512 cells on splits a
+        one-row step's cells among its threads. Returns whether butter does, and who, in
+        words."""
         try:
             kernels = layer_matmul.registered()
         except Unavailable as exc:
-            return False, f"split over the cells (butter's kernels are off: {exc})"
-        heads = self.model.query_heads
-        fits = rowwise_attention_fits(heads, threads)
-        kernels.rowwise_attention(fits)
-        if fits:
-            return True, "as a row of a bigger step"
-        return False, (f"split over the cells ({heads} query heads do not spread evenly "
-                       f"over {threads} threads)")
+            return False, f"llama.cpp (butter's kernels are off: {exc})"
+        if kernels.attention != "butter":
+            return False, kernels.attention
+        if self.model.kv_type.quantized:  # (llama.cpp then computes every row alone)
+            return False, f"llama.cpp (a {self.model.kv_type.name} cache: row by row)"
+        return True, "butter (each row over its cells in fixed chunks)"
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -219,9 +216,9 @@ class LlamaCppBackend:
             # the CPU class, and who multiplies each type of layer matrix (kernels.py)
             "kernels": {"cpu": this_cpu().as_dict(), "layers": self.model.layer_kernels,
                         "output": self.lm_head},
-            # a one-row step's attention from 512 cells on: as a bigger step's row (exact
-            # beside drafts and other requests) or split over the cells
-            "lone_row_attention": self.lone_row_attention,
+            # who computes decode steps' attention: "butter (...)", each row the same
+            # beside drafts and other requests, or "llama.cpp (why)"
+            "decode_attention": self.decode_attention,
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
         }

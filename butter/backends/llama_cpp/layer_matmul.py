@@ -54,7 +54,7 @@ T = TypeVar("T")
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 8
+ABI_VERSION = 9
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -64,7 +64,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_check_mirror": (_I32, [_P]),
     "butter_layer_matmul_register": (_I32, [_P, _I32, _I32]),
     "butter_layer_matmul_enable_types": (_I32, [_I32]),
-    "butter_layer_matmul_rowwise_attention": (_I32, [_I32]),
+    "butter_layer_matmul_decode_attention": (_I32, [_I32]),
+    "butter_layer_matmul_attention_probe": (
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _I32, _P, _SIZE, _P, _P]),
     "butter_layer_matmul_self_check": (
         _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
@@ -74,11 +76,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
 }
 OK, DECLINED = 0, 1
 # Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1, Q5_0 and
-# Q4_K matrices stored
-COUNTERS = 9
+# Q4_K matrices stored, attentions computed, their query rows
+COUNTERS = 11
 # butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0, Q4_K,
-# FLASH_ATTN_EXT
-MIRRORED = 10
+# FLASH_ATTN_EXT, F16
+MIRRORED = 11
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
 # The C++ function that hands out the CPU backend's extra buffer types (mangled name of
@@ -113,6 +115,8 @@ class Counters:
     q4_1_matrices: int
     q5_0_matrices: int
     q4_k_matrices: int
+    attentions: int  # flash attentions butter computed (decode_attention.h)
+    attention_rows: int  # and their query rows
 
     @property
     def matrices(self) -> int:
@@ -135,6 +139,8 @@ class LayerMatmul:
         # each type butter has a kernel for on this ISA: "butter", or "llama.cpp (why)"
         self.types = types
         self._loading = threading.Lock()  # `accepting` is process-wide in the library
+        # who computes decode steps' attention: "butter", or "llama.cpp (why)"
+        self.attention = "llama.cpp (not checked yet)"
 
     def counters(self) -> Counters:
         out = (ctypes.c_int64 * COUNTERS)()
@@ -142,13 +148,34 @@ class LayerMatmul:
             raise RuntimeError("butter_layer_matmul_counters refused its buffer")
         return Counters(*(int(value) for value in out))
 
-    def rowwise_attention(self, on: bool) -> None:
-        """Whether llama.cpp computes a one-row step's flash attention the way it computes
-        each row of a bigger step (over the cells in order), rather than splitting the cells
-        among its threads from 512 on, which rounds differently. On from registration: a
+    def decode_attention(self, on: bool) -> None:
+        """Whether butter computes the attention of steps of fewer than 64 query rows over an
+        f16 or f32 cache (butter/native/decode_attention.h): each row over its cells in fixed
+        chunks, so that it does not depend on the other rows of the step, the thread count or
+        the cache's size. On from registration where the probes agree with llama.cpp's (a
         decode row verified beside drafts, or beside other requests, is then the lone row it
-        stands for at any context length (docs/architecture.md, "Speculative decoding")."""
-        self._lib.butter_layer_matmul_rowwise_attention(int(on))
+        stands for: docs/architecture.md, "Speculative decoding"). Takes effect from the next
+        step; change it only between steps."""
+        self._lib.butter_layer_matmul_decode_attention(int(on))
+
+    def attention_probe(self, *, butter: bool, rows: int, cells: int, heads: int,
+                        kv_heads: int, dim: int, threads: int, seed: int,
+                        repeats: int = 1) -> tuple[list[float], float]:
+        """One flash attention through a real ggml graph (butter_layer_matmul_attention_probe:
+        probe values, a mask that hides every fifth cell), computed `repeats` times by
+        butter's decode attention or by llama.cpp's: the rows x heads x dim results, and the
+        seconds the computations took. Raises Unavailable if butter's was asked for and
+        llama.cpp computed it."""
+        out = (ctypes.c_float * (rows * heads * dim))()
+        ran, seconds = ctypes.c_int32(), ctypes.c_double()
+        status = self._lib.butter_layer_matmul_attention_probe(
+            int(butter), rows, cells, heads, kv_heads, dim, threads, seed, repeats, out,
+            ctypes.sizeof(out), ctypes.byref(ran), ctypes.byref(seconds))
+        if status != OK:
+            raise ValueError(f"the attention probe could not run (status {status})")
+        if butter and not ran.value:
+            raise Unavailable("llama.cpp did not call butter's decode attention")
+        return list(out), seconds.value
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
@@ -224,7 +251,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
     mirror = (ctypes.c_int64 * MIRRORED)()
     lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k, attention = (
+    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k, attention, f16 = (
         int(v) for v in mirror)
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
@@ -233,6 +260,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     found = {
         "tensor size": int(base.ggml_tensor_overhead()) - GGML_OBJECT_BYTES,
         "type F32": base.ggml_type_name(f32),
+        "type F16": base.ggml_type_name(f16),
         "type Q8_0": base.ggml_type_name(q8_0),
         "type Q6_K": base.ggml_type_name(q6_k),
         "type Q5_K": base.ggml_type_name(q5_k),
@@ -245,7 +273,7 @@ def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
             cpu.ggml_backend_cpu_buffer_type()),
     }
     expected = {
-        "tensor size": tensor_bytes, "type F32": b"f32", "type Q8_0": b"q8_0",
+        "tensor size": tensor_bytes, "type F32": b"f32", "type F16": b"f16", "type Q8_0": b"q8_0",
         "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "type Q4_1": b"q4_1",
         "type Q5_0": b"q5_0", "type Q4_K": b"q4_K", "op MUL_MAT": b"MUL_MAT",
         "op FLASH_ATTN_EXT": b"FLASH_ATTN_EXT",
@@ -363,6 +391,32 @@ def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
     return verdicts
 
 
+# The attention probes: a lone row and a step of 12 rows, 9 query heads sharing 3 KV heads
+# of 64 (SmolLM2's shape) over 700 cells (two whole chunks and part of a third), on 2 threads.
+ATTENTION_PROBE = {"cells": 700, "heads": 9, "kv_heads": 3, "dim": 64, "threads": 2, "seed": 5}
+# llama.cpp rounds the query and its value sums to f16: butter's f32 sums differ by that.
+ATTENTION_TOLERANCE = 2e-3
+
+
+def _checked_attention(kernels: LayerMatmul) -> str:
+    """"butter" if butter's decode attention gives llama.cpp's results on the probes, and
+    the same bits for a row whatever the step holds; else "llama.cpp (why)"."""
+    try:
+        by_rows = {rows: (kernels.attention_probe(butter=True, rows=rows, **ATTENTION_PROBE)[0],
+                          kernels.attention_probe(butter=False, rows=rows, **ATTENTION_PROBE)[0])
+                   for rows in (1, 12)}
+    except (Unavailable, ValueError) as exc:
+        return f"llama.cpp ({exc})"
+    for rows, (ours, theirs) in by_rows.items():
+        worst = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
+        if not worst <= ATTENTION_TOLERANCE:  # (a NaN fails too)
+            return f"llama.cpp (butter's differs from llama.cpp's by {worst:.3g} at {rows} rows)"
+    width = ATTENTION_PROBE["heads"] * ATTENTION_PROBE["dim"]
+    if by_rows[1][0] != by_rows[12][0][:width]:
+        return "llama.cpp (butter's lone row differs from the same row in a bigger step)"
+    return "butter"
+
+
 def _register() -> LayerMatmul:
     if llama_cpp.llama_supports_gpu_offload():
         raise Unavailable("a GPU build of llama.cpp")
@@ -390,7 +444,8 @@ def _register() -> LayerMatmul:
     if lib.butter_layer_matmul_buffer_type() not in _listed_extra_buffer_types(base, cpu, device):
         raise Unavailable("llama.cpp listed its buffer types before butter registered")
     registered = LayerMatmul(lib, isa, _on_a_passing_thread(_self_checked_types, lib, isa))
-    registered.rowwise_attention(True)
+    registered.attention = _on_a_passing_thread(_checked_attention, registered)
+    registered.decode_attention(registered.attention == "butter")
     return registered
 
 

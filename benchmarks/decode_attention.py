@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""What butter's decode attention costs a decode step, against llama.cpp's own.
+
+From 512 KV cells on, llama.cpp splits a one-row step's flash attention over the cells among
+its threads, and computes each row of a bigger step over its cells on one thread; butter
+computes every decode row over the cells it sees in fixed chunks of them
+(butter/native/decode_attention.h), the same bits whatever the step holds, which keeps
+speculative decoding and batching exact at any context length (docs/architecture.md,
+"Numerics and determinism").
+
+This loads each model on the real llama.cpp backend as `butter serve` does (repacking on,
+butter's kernels), prefills ``--streams`` sequences with a long prompt (``--files`` of
+benchmarks/speculation.py's source files), then decodes greedily, one row per stream per
+step, switching between butter's attention and llama.cpp's every ``--block`` steps (this VM's
+speed drifts; alternating blocks sees both under the same drift). Prints the CPU class and,
+per model, the median and 10th-percentile step time of each::
+
+    python benchmarks/decode_attention.py MODEL.gguf [MODEL.gguf ...] --files 8 --streams 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from speculation import source_file
+
+from butter.backends.base import SeqWork, SetSampler
+from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
+from butter.cpu import this_cpu
+from butter.sampling import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def measure(path: Path, files: int, streams: int, steps: int, block: int,
+            threads: int) -> None:
+    backend = LlamaCppBackend(path, n_cells=16384, n_seq=streams, n_batch=512,
+                              threads=threads, repack=True)
+    try:
+        kernels = layer_matmul.registered()
+        prompt = backend.tokenize("\n\n".join(source_file(i) for i in range(files)),
+                                  add_bos=True)
+        last: dict[int, int] = {}
+        for seq in range(streams):
+            backend.step([SetSampler(seq, GREEDY)], [])
+            for start in range(0, len(prompt), 512):
+                chunk = tuple(prompt[start:start + 512])
+                done = start + len(chunk) == len(prompt)
+                for sampled in backend.step([], [SeqWork(seq, chunk, start, sample=done,
+                                                         prompt=True)]):
+                    last[sampled.seq] = sampled.token
+        position = len(prompt)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for step in range(steps):
+            butter = step // block % 2 == 0
+            kernels.decode_attention(butter)
+            work = [SeqWork(seq, (last[seq],), position, sample=True) for seq in range(streams)]
+            began = time.perf_counter()
+            for sampled in backend.step([], work):
+                last[sampled.seq] = sampled.token
+            times[butter].append(time.perf_counter() - began)
+            position += 1
+        kernels.decode_attention(backend.butter_attention)
+
+        def summary(values: list[float]) -> str:
+            values = sorted(values)[block:]  # (each setting's first block warms it up)
+            return (f"median {statistics.median(values) * 1e3:.2f} ms, "
+                    f"p10 {values[len(values) // 10] * 1e3:.2f} ms")
+
+        ours, theirs = (statistics.median(times[flag]) for flag in (True, False))
+        print(f"{path.name}: {backend.model.query_heads} query heads, {threads} threads, "
+              f"{streams} stream(s) at {len(prompt)}-{position} cells: butter's attention "
+              f"{summary(times[True])}; llama.cpp's {summary(times[False])} "
+              f"(butter's / llama.cpp's median: {ours / theirs:.3f})", flush=True)
+    finally:
+        backend.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+", type=Path)
+    parser.add_argument("--files", type=int, default=8, help="source files in the prompt")
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--block", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    print(f"CPU class: {this_cpu().as_dict()}", flush=True)
+    for path in args.models:
+        measure(path, args.files, args.streams, args.steps, args.block, args.threads)
+
+
+if __name__ == "__main__":
+    main()
