@@ -1,5 +1,5 @@
 """butter's compiled parts: the output-projection kernel (butter/native/lmhead.c) and the
-layer matmuls it plugs into llama.cpp (butter/native/layer_matmul.cpp).
+layer matmuls and decode attention it plugs into llama.cpp (butter/native/layer_matmul.cpp).
 
 Everything else is in pyproject.toml. Both extensions are optional: where one cannot be
 built, butter installs without it and llama.cpp computes that part itself.
@@ -29,7 +29,7 @@ setup(
         Extension(
             "butter.backends._layer_matmul",
             sources=["butter/native/layer_matmul.cpp"],
-            depends=TILE_HEADERS,
+            depends=[*TILE_HEADERS, "butter/native/decode_attention.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,
