@@ -111,6 +111,7 @@ class Stream:
     decode_seconds: float
     tokens: int
     chars: int
+    text: str
 
     @property
     def decode_tok_s(self) -> float:
@@ -128,6 +129,7 @@ def stream_one(base: str, workload: Workload, variant: int, model: str) -> Strea
     started = time.perf_counter()
     first = last = None
     chars = tokens = 0
+    pieces = []
     with httpx.Client(timeout=600) as client, \
             client.stream("POST", f"{base}/v1/{workload.route}", json=body) as response:
         response.raise_for_status()
@@ -142,18 +144,25 @@ def stream_one(base: str, workload: Workload, variant: int, model: str) -> Strea
                     first = first or now
                     last = now
                     chars += len(text)
+                    pieces.append(text)
             if chunk.get("usage"):
                 tokens = int(chunk["usage"]["completion_tokens"])
     if first is None or last is None:
         raise RuntimeError("the stream carried no text")
-    return Stream(first - started, last - first, tokens, chars)
+    return Stream(first - started, last - first, tokens, chars, "".join(pieces))
 
 
-def run_level(base: str, workload: Workload, clients: int, model: str) -> list[Stream]:
+def run_level(base: str, workload: Workload, clients: int, model: str,
+              texts: int = 1) -> list[Stream]:
+    """c clients at once, each asking for `texts` texts one after the other (client i:
+    variants i, i + c, ...): the streams in variant order."""
+    def client(first: int) -> list[Stream]:
+        return [stream_one(base, workload, first + k * clients, model) for k in range(texts)]
+
     with ThreadPoolExecutor(clients) as pool:
-        futures = [pool.submit(stream_one, base, workload, variant, model)
-                   for variant in range(clients)]
-        return [future.result() for future in futures]
+        futures = [pool.submit(client, first) for first in range(clients)]
+        done = [future.result() for future in futures]
+    return [done[v % clients][v // clients] for v in range(clients * texts)]
 
 
 @dataclass(frozen=True)
@@ -215,8 +224,9 @@ def measure(server: Server, workload: Workload, clients: int, args: argparse.Nam
     with running_server_spec(argv, log) as process:
         wait_ready(process, base, "/health", 300)
         model = served_model(base)
-        run_level(base, workload, clients, model)  # warm-up (and the prompts cached)
-        rounds = [run_level(base, workload, clients, model) for _ in range(args.rounds)]
+        run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
+        rounds = [run_level(base, workload, clients, model, args.texts)
+                  for _ in range(args.rounds)]
         speculation = butter_speculation(base) if server.kind == "butter" else None
     streams = [stream for level in rounds for stream in level]
     per_round = [statistics.mean(s.decode_tok_s for s in level) for level in rounds]
@@ -229,6 +239,7 @@ def measure(server: Server, workload: Workload, clients: int, args: argparse.Nam
                                      for level in rounds),
         "ttft_s": statistics.median(s.ttft for s in streams),
         "tokens": [s.tokens for s in streams],
+        "texts": [s.text for s in rounds[-1]],  # the last round's, in variant order
         "speculation": speculation,
     }
 
@@ -277,6 +288,17 @@ def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             table.append(cells)
         lines.append(md_table(["server", *[f"c={c}" for c in levels]], table))
         lines.append("")
+        same = []
+        for clients in levels:
+            texts = {r["server"]: r.get("texts") for r in rows if r["clients"] == clients}
+            ours, plain = texts.get("butter"), texts.get("butter --draft-max 0")
+            if ours and plain:
+                alike = sum(a == b for a, b in zip(ours, plain, strict=True))
+                same.append(f"c={clients}: {alike} of {len(ours)}")
+        if same:
+            lines.append("butter's texts the same as with --draft-max 0 (last round): "
+                         + ", ".join(same))
+            lines.append("")
     lines.append("× is the ratio to butter --draft-max 0 at the same c.")
     return "\n".join(lines)
 
@@ -290,6 +312,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--copy-model", help="a GGUF for the copy workload instead of the demo "
                         "(e.g. a benchmarks/model_matrix.py file)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--texts", type=int, default=1,
+                        help="texts each client asks for in turn per round (more subjects)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/speculation-logs"))
