@@ -41,12 +41,13 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def measure(path: Path, files: int, streams: int, steps: int, block: int,
             threads: int) -> None:
-    backend = LlamaCppBackend(path, n_cells=16384, n_seq=streams, n_batch=512,
+    text = "\n\n".join(source_file(i) for i in range(files))
+    cells = streams * (len(text) // 2 + steps + 256)  # (more than a token per 2 characters)
+    backend = LlamaCppBackend(path, n_cells=cells, n_seq=streams, n_batch=512,
                               threads=threads, repack=True)
     try:
         kernels = layer_matmul.registered()
-        prompt = backend.tokenize("\n\n".join(source_file(i) for i in range(files)),
-                                  add_bos=True)
+        prompt = backend.tokenize(text, add_bos=True)
         last: dict[int, int] = {}
         for seq in range(streams):
             backend.step([SetSampler(seq, GREEDY)], [])
