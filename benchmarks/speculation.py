@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -217,17 +218,39 @@ def butter_speculation(base: str) -> dict[str, Any] | None:
 
 def measure(server: Server, workload: Workload, clients: int, args: argparse.Namespace,
             logs: Path) -> dict[str, Any]:
-    port = _free_port(HOST)
-    argv = server_argv(server, args, workload, clients, port)
-    base = f"http://{HOST}:{port}"
-    log = logs / f"{workload.name}-{server.label.replace(' ', '_')}-c{clients}.log"
-    with running_server_spec(argv, log) as process:
-        wait_ready(process, base, "/health", 300)
-        model = served_model(base)
-        run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
-        rounds = [run_level(base, workload, clients, model, args.texts)
-                  for _ in range(args.rounds)]
-        speculation = butter_speculation(base) if server.kind == "butter" else None
+    return measure_together([server], workload, clients, args, logs)[0]
+
+
+def measure_together(servers: Sequence[Server], workload: Workload, clients: int,
+                     args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
+    """The servers started side by side, each warmed up, then their rounds in turns (one
+    server at a time; the others idle): a machine whose speed drifts over minutes then
+    slows every server's rounds alike (``--interleave``)."""
+    with ExitStack() as stack:
+        running = []
+        for server in servers:
+            port = _free_port(HOST)
+            argv = server_argv(server, args, workload, clients, port)
+            base = f"http://{HOST}:{port}"
+            log = logs / f"{workload.name}-{server.label.replace(' ', '_')}-c{clients}.log"
+            process = stack.enter_context(running_server_spec(argv, log))
+            wait_ready(process, base, "/health", 300)
+            model = served_model(base)
+            run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
+            running.append((server, argv, base, model))
+        rounds: dict[str, list[list[Stream]]] = {server.label: [] for server in servers}
+        for _ in range(args.rounds):
+            for server, _, base, model in running:
+                rounds[server.label].append(run_level(base, workload, clients, model,
+                                                      args.texts))
+        return [summarize(server, workload, clients, argv, rounds[server.label],
+                          butter_speculation(base) if server.kind == "butter" else None)
+                for server, argv, base, _ in running]
+
+
+def summarize(server: Server, workload: Workload, clients: int, argv: list[str],
+              rounds: list[list[Stream]], speculation: dict[str, Any] | None
+              ) -> dict[str, Any]:
     streams = [stream for level in rounds for stream in level]
     per_round = [statistics.mean(s.decode_tok_s for s in level) for level in rounds]
     return {
@@ -288,16 +311,27 @@ def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             table.append(cells)
         lines.append(md_table(["server", *[f"c={c}" for c in levels]], table))
         lines.append("")
-        same = []
+        same, paired = [], []
         for clients in levels:
-            texts = {r["server"]: r.get("texts") for r in rows if r["clients"] == clients}
-            ours, plain = texts.get("butter"), texts.get("butter --draft-max 0")
-            if ours and plain:
-                alike = sum(a == b for a, b in zip(ours, plain, strict=True))
-                same.append(f"c={clients}: {alike} of {len(ours)}")
+            level = {r["server"]: r for r in rows if r["clients"] == clients}
+            ours, plain = level.get("butter"), level.get("butter --draft-max 0")
+            if not (ours and plain):
+                continue
+            if ours.get("texts") and plain.get("texts"):
+                alike = sum(a == b for a, b in zip(ours["texts"], plain["texts"], strict=True))
+                same.append(f"c={clients}: {alike} of {len(ours['texts'])}")
+            if meta.get("interleaved"):
+                ratios = [a / b for a, b in zip(ours["decode_tok_s_rounds"],
+                                                plain["decode_tok_s_rounds"], strict=True)]
+                paired.append(f"c={clients}: ×{statistics.median(ratios):.2f} "
+                              f"({', '.join(f'{r:.2f}' for r in ratios)})")
         if same:
             lines.append("butter's texts the same as with --draft-max 0 (last round): "
                          + ", ".join(same))
+            lines.append("")
+        if paired:
+            lines.append("butter / butter --draft-max 0, round by round (rounds interleaved): "
+                         + "; ".join(paired))
             lines.append("")
     lines.append("× is the ratio to butter --draft-max 0 at the same c.")
     return "\n".join(lines)
@@ -312,6 +346,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--copy-model", help="a GGUF for the copy workload instead of the demo "
                         "(e.g. a benchmarks/model_matrix.py file)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--interleave", action="store_true",
+                        help="run the servers side by side, their rounds in turns")
     parser.add_argument("--texts", type=int, default=1,
                         help="texts each client asks for in turn per round (more subjects)")
     parser.add_argument("--threads", type=int, default=2)
@@ -332,18 +368,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         if name == "copy" and args.copy_model:
             workload = replace(workload, model=args.copy_model)
         for clients in (int(c) for c in args.clients.split(",")):
-            for server in servers:
+            groups = [servers] if args.interleave else [[server] for server in servers]
+            for group in groups:
                 try:
-                    result = measure(server, workload, clients, args, args.logs)
+                    measured = measure_together(group, workload, clients, args, args.logs)
                 except Exception as exc:  # a server that fails is reported, not fatal
-                    result = {"server": server.label, "workload": name, "clients": clients,
-                              "error": repr(exc), "decode_tok_s": None, "chars_s": None,
-                              "ttft_s": None}
-                results.append(result)
-                print(json.dumps({k: result.get(k) for k in (
-                    "workload", "server", "clients", "decode_tok_s", "chars_s", "ttft_s",
-                    "error")}), flush=True)
-    meta = run_meta()
+                    measured = [{"server": server.label, "workload": name, "clients": clients,
+                                 "error": repr(exc), "decode_tok_s": None, "chars_s": None,
+                                 "ttft_s": None} for server in group]
+                for result in measured:
+                    results.append(result)
+                    print(json.dumps({k: result.get(k) for k in (
+                        "workload", "server", "clients", "decode_tok_s", "chars_s", "ttft_s",
+                        "error")}), flush=True)
+    meta = {**run_meta(), "interleaved": args.interleave, "texts_per_client": args.texts}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     text = report([r for r in results if r.get("decode_tok_s") is not None], meta)
