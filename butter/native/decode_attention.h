@@ -1,26 +1,26 @@
 /*
  * butter's attention for decode steps (fewer than ATTENTION_MAX_ROWS query rows): every row
- * computed the same way whatever else the step holds, over its cells in fixed chunks.
+ * computed the same way whatever else the step holds.
  *
  * Why: llama.cpp's CPU flash attention computes a one-row step by splitting the cells among
  * its threads (from 512 cells on, in as many pieces as there are threads, so the pieces move
  * as the cache's view grows) and each row of a bigger step over all its cells on one thread.
  * The two round differently, so a decode row verified beside draft rows, or beside another
- * request's rows, is not the lone row it stands for, and the same request can answer
- * differently once the cache holds more. Here a row's result depends only on its query, its
- * own cells and where they sit: not on the other rows, the thread count or the view's size.
+ * request's rows, is not the lone row it stands for.
  *
- * How: each (row, KV head, chunk of ATTENTION_CHUNK cells) is a task that computes, for the
- * query heads sharing that KV head, the chunk's scores, their maximum, the sum of their
- * exponentials and the exponential-weighted sum of the chunk's values. Tasks spread over the
- * threads in any way; each row's partials are then folded chunk after chunk in cell order.
- * A chunk holding none of a row's cells (masked, or past the view) adds nothing to the fold,
- * bit for bit, which is what makes the view's size not matter.
+ * How: each row first lists the cells its mask lets it see, in cell order. Each (row, KV
+ * head, chunk of ATTENTION_CHUNK of those cells) is then a task that computes, for the query
+ * heads sharing that KV head, the chunk's largest score, the sum of its exponentials and
+ * the exponential-weighted sum of its values. Tasks spread over the threads in any way; each
+ * row's partials are then folded chunk after chunk. So a row's result depends only on its
+ * query and the ordered cells it sees: not on the other rows, the thread count, the view's
+ * size, or where in the cache its cells lie.
  *
  * Numbers: scores are dot products of the f32 query with the f32-widened key (llama.cpp
  * rounds the query to f16 first), and values are summed in f32 (llama.cpp sums in f16 for an
- * f16 cache): as exact or more so. Sums run in a fixed order of 8-lane vectors, so the same
- * inputs give the same bits on any x86 CPU with AVX2 and FMA.
+ * f16 cache): as exact or more so. Every sum runs in a fixed order of 8-lane vectors and
+ * the chunks' exponentials are a fixed polynomial, whatever the instruction set (AVX2 and
+ * FMA code on AVX512 CPUs too).
  *
  * Everything here is static: layer_matmul.cpp includes it.
  */
@@ -33,7 +33,7 @@
 
 #include "q8_0_tiles.h" /* BUTTER_X86, AVX2_TARGET */
 
-#define ATTENTION_CHUNK 256   /* cells per partial (a multiple of 8) */
+#define ATTENTION_CHUNK 256   /* a row's cells per partial (a multiple of 8) */
 #define ATTENTION_MAX_ROWS 64 /* from here on llama.cpp's tiled prompt path runs */
 
 /* One FLASH_ATTN_EXT op, as plain pointers and byte strides (ggml's ne / nb). */
