@@ -224,8 +224,9 @@ def measure(server: Server, workload: Workload, clients: int, args: argparse.Nam
 def measure_together(servers: Sequence[Server], workload: Workload, clients: int,
                      args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     """The servers started side by side, each warmed up, then their rounds in turns (one
-    server at a time; the others idle): a machine whose speed drifts over minutes then
-    slows every server's rounds alike (``--interleave``)."""
+    server at a time, the others idle; the order reversed every other round): a machine
+    whose speed drifts over minutes then slows every server's rounds alike
+    (``--interleave``)."""
     with ExitStack() as stack:
         running = []
         for server in servers:
@@ -239,8 +240,9 @@ def measure_together(servers: Sequence[Server], workload: Workload, clients: int
             run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
             running.append((server, argv, base, model))
         rounds: dict[str, list[list[Stream]]] = {server.label: [] for server in servers}
-        for _ in range(args.rounds):
-            for server, _, base, model in running:
+        for index in range(args.rounds):
+            # (in turns A B, B A, ...: neither always runs right after the other)
+            for server, _, base, model in running[::1 if index % 2 == 0 else -1]:
                 rounds[server.label].append(run_level(base, workload, clients, model,
                                                       args.texts))
         return [summarize(server, workload, clients, argv, rounds[server.label],
