@@ -240,22 +240,31 @@ def measure_together(servers: Sequence[Server], workload: Workload, clients: int
             run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
             running.append((server, argv, base, model))
         rounds: dict[str, list[list[Stream]]] = {server.label: [] for server in servers}
+        walls: dict[str, list[float]] = {server.label: [] for server in servers}
         for index in range(args.rounds):
             # (in turns A B, B A, ...: neither always runs right after the other)
             for server, _, base, model in running[::1 if index % 2 == 0 else -1]:
+                began = time.perf_counter()
                 rounds[server.label].append(run_level(base, workload, clients, model,
                                                       args.texts))
+                walls[server.label].append(time.perf_counter() - began)
         return [summarize(server, workload, clients, argv, rounds[server.label],
+                          walls[server.label],
                           butter_speculation(base) if server.kind == "butter" else None)
                 for server, argv, base, _ in running]
 
 
 def summarize(server: Server, workload: Workload, clients: int, argv: list[str],
-              rounds: list[list[Stream]], speculation: dict[str, Any] | None
-              ) -> dict[str, Any]:
+              rounds: list[list[Stream]], walls: list[float],
+              speculation: dict[str, Any] | None) -> dict[str, Any]:
     streams = [stream for level in rounds for stream in level]
     per_round = [statistics.mean(s.decode_tok_s for s in level) for level in rounds]
+    # every client's tokens over the round's wall time (prompts and waits included)
+    aggregate = [sum(s.tokens for s in level) / wall
+                 for level, wall in zip(rounds, walls, strict=True)]
     return {
+        "aggregate_tok_s": statistics.median(aggregate),
+        "aggregate_tok_s_rounds": aggregate,
         "server": server.label, "workload": workload.name, "clients": clients,
         "command": argv,
         "decode_tok_s": statistics.median(per_round),
@@ -325,8 +334,12 @@ def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             if meta.get("interleaved"):
                 ratios = [a / b for a, b in zip(ours["decode_tok_s_rounds"],
                                                 plain["decode_tok_s_rounds"], strict=True)]
+                totals = [a / b for a, b in zip(ours["aggregate_tok_s_rounds"],
+                                                plain["aggregate_tok_s_rounds"], strict=True)]
                 paired.append(f"c={clients}: ×{statistics.median(ratios):.2f} "
-                              f"({', '.join(f'{r:.2f}' for r in ratios)})")
+                              f"({', '.join(f'{r:.2f}' for r in ratios)}); all clients' "
+                              f"tokens over the round's time ×{statistics.median(totals):.2f} "
+                              f"({', '.join(f'{r:.2f}' for r in totals)})")
         if same:
             lines.append("butter's texts the same as with --draft-max 0 (last round): "
                          + ", ".join(same))
