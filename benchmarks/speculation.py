@@ -154,10 +154,12 @@ def stream_one(base: str, workload: Workload, variant: int, model: str) -> Strea
 
 
 def run_level(base: str, workload: Workload, clients: int, model: str,
-              texts: int = 1) -> list[Stream]:
+              texts: int = 1, stagger: float = 0.0) -> list[Stream]:
     """c clients at once, each asking for `texts` texts one after the other (client i:
-    variants i, i + c, ...): the streams in variant order."""
+    variants i, i + c, ...; starting i x `stagger` seconds late, so that the clients do
+    not run in lockstep): the streams in variant order."""
     def client(first: int) -> list[Stream]:
+        time.sleep(first * stagger)
         return [stream_one(base, workload, first + k * clients, model) for k in range(texts)]
 
     with ThreadPoolExecutor(clients) as pool:
@@ -237,7 +239,8 @@ def measure_together(servers: Sequence[Server], workload: Workload, clients: int
             process = stack.enter_context(running_server_spec(argv, log))
             wait_ready(process, base, "/health", 300)
             model = served_model(base)
-            run_level(base, workload, clients, model, args.texts)  # warm-up, prompts cached
+            run_level(base, workload, clients, model, args.texts,  # warm-up, prompts cached
+                      args.stagger)
             running.append((server, argv, base, model))
         rounds: dict[str, list[list[Stream]]] = {server.label: [] for server in servers}
         walls: dict[str, list[float]] = {server.label: [] for server in servers}
@@ -246,7 +249,7 @@ def measure_together(servers: Sequence[Server], workload: Workload, clients: int
             for server, _, base, model in running[::1 if index % 2 == 0 else -1]:
                 began = time.perf_counter()
                 rounds[server.label].append(run_level(base, workload, clients, model,
-                                                      args.texts))
+                                                      args.texts, args.stagger))
                 walls[server.label].append(time.perf_counter() - began)
         return [summarize(server, workload, clients, argv, rounds[server.label],
                           walls[server.label],
@@ -363,6 +366,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--interleave", action="store_true",
                         help="run the servers side by side, their rounds in turns")
+    parser.add_argument("--stagger", type=float, default=0.0,
+                        help="seconds between one client's start and the next's")
     parser.add_argument("--texts", type=int, default=1,
                         help="texts each client asks for in turn per round (more subjects)")
     parser.add_argument("--threads", type=int, default=2)
@@ -396,7 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(json.dumps({k: result.get(k) for k in (
                         "workload", "server", "clients", "decode_tok_s", "chars_s", "ttft_s",
                         "error")}), flush=True)
-    meta = {**run_meta(), "interleaved": args.interleave, "texts_per_client": args.texts}
+    meta = {**run_meta(), "interleaved": args.interleave, "texts_per_client": args.texts,
+            "stagger_s": args.stagger}
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     text = report([r for r in results if r.get("decode_tok_s") is not None], meta)
