@@ -16,7 +16,7 @@ from butter.kv import parse_kv_cache
 
 # SmolLM2-135M's shape (9 query heads on 3 KV heads of 64) and Gemma 3's (4 on 1 of 256)
 SHAPES = [{"heads": 9, "kv_heads": 3, "dim": 64}, {"heads": 4, "kv_heads": 1, "dim": 256}]
-MASK = np.uint64((1 << 64) - 1)
+MASK = (1 << 64) - 1
 
 
 def kernels() -> LayerMatmul:
@@ -30,10 +30,10 @@ def probe_values(seed: int, n: int) -> np.ndarray:
     """The probe's values (layer_matmul.cpp's probe_values): floats in [-1, 1) from a
     64-bit linear congruential generator."""
     a, c = 6364136223846793005, 1442695040888963407
-    state = (seed * a + c) & int(MASK)
+    state = (seed * a + c) & MASK
     out = np.empty(n, dtype=np.float32)
     for i in range(n):
-        state = (state * a + c) & int(MASK)
+        state = (state * a + c) & MASK
         out[i] = np.float32((state >> 40) / float(1 << 23) - 1.0)
     return out
 
@@ -64,8 +64,8 @@ def test_butters_attention_is_exact_attention_to_float_rounding(shape: dict[str,
     k = kernels()
     probe = {"rows": 3, "cells": 700, "threads": 2, "seed": 11, **shape}
     exact = exact_attention(3, 700, shape["heads"], shape["kv_heads"], shape["dim"], 11)
-    ours = np.array(k.attention_probe(butter=True, **probe)[0]).reshape(exact.shape)
-    theirs = np.array(k.attention_probe(butter=False, **probe)[0]).reshape(exact.shape)
+    ours = np.array(k.attention_probe(butter=True, **probe)).reshape(exact.shape)
+    theirs = np.array(k.attention_probe(butter=False, **probe)).reshape(exact.shape)
     largest = np.abs(exact).max()
     assert np.abs(ours - exact).max() < 1e-5 * largest
     # llama.cpp rounds the query to f16 and sums the values in f16
@@ -80,14 +80,14 @@ def test_a_rows_attention_is_the_same_bits_whatever_the_step_and_the_threads(
     k = kernels()
     width = shape["heads"] * shape["dim"]
     probe = {"cells": 1100, "seed": 3, **shape}
-    lone = k.attention_probe(butter=True, rows=1, threads=2, **probe)[0]
+    lone = k.attention_probe(butter=True, rows=1, threads=2, **probe)
     assert len(lone) == width
     for rows, threads in ((2, 2), (9, 2), (16, 1), (40, 3), (5, 4)):
-        step = k.attention_probe(butter=True, rows=rows, threads=threads, **probe)[0]
+        step = k.attention_probe(butter=True, rows=rows, threads=threads, **probe)
         assert step[:width] == lone, (rows, threads)
     # llama.cpp's own: a lone row split over the cells rounds otherwise than in a step
-    theirs = k.attention_probe(butter=False, rows=1, threads=2, **probe)[0]
-    assert k.attention_probe(butter=False, rows=9, threads=2, **probe)[0][:width] != theirs
+    theirs = k.attention_probe(butter=False, rows=1, threads=2, **probe)
+    assert k.attention_probe(butter=False, rows=9, threads=2, **probe)[:width] != theirs
 
 
 def test_attention_that_disagrees_with_llama_cpp_stays_with_llama_cpp(

