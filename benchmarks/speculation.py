@@ -184,6 +184,20 @@ SERVERS = (
 )
 
 
+def server_named(label: str) -> Server:
+    """One of SERVERS by its label, else butter with the flags the label gives after
+    "butter" (``"butter --draft-max 15"``); a label given twice is another server process
+    with the same flags (``"butter --draft-max 0 "``, for an A/A run)."""
+    known = next((server for server in SERVERS if server.label == label.strip()), None)
+    if known is not None:
+        return replace(known, label=label)
+    kind, *flags = label.split()
+    if kind != "butter":
+        raise SystemExit(f"unknown server {label!r}: one of {[s.label for s in SERVERS]} "
+                         "or 'butter FLAGS'")
+    return Server(label, "butter", tuple(flags))
+
+
 def model_path(model: str) -> str:
     from butter.models import resolve_model
 
@@ -226,9 +240,9 @@ def measure(server: Server, workload: Workload, clients: int, args: argparse.Nam
 def measure_together(servers: Sequence[Server], workload: Workload, clients: int,
                      args: argparse.Namespace, logs: Path) -> list[dict[str, Any]]:
     """The servers started side by side, each warmed up, then their rounds in turns (one
-    server at a time, the others idle; the order reversed every other round): a machine
-    whose speed drifts over minutes then slows every server's rounds alike
-    (``--interleave``)."""
+    server at a time, the others idle; the order rotated every round, so that over as many
+    rounds as there are servers each runs first, second, ... once): a machine whose speed
+    drifts over minutes then slows every server's rounds alike (``--interleave``)."""
     with ExitStack() as stack:
         running = []
         for server in servers:
@@ -245,8 +259,9 @@ def measure_together(servers: Sequence[Server], workload: Workload, clients: int
         rounds: dict[str, list[list[Stream]]] = {server.label: [] for server in servers}
         walls: dict[str, list[float]] = {server.label: [] for server in servers}
         for index in range(args.rounds):
-            # (in turns A B, B A, ...: neither always runs right after the other)
-            for server, _, base, model in running[::1 if index % 2 == 0 else -1]:
+            # (A B C, B C A, C A B, ...: no server keeps a place in the order)
+            shift = index % len(running)
+            for server, _, base, model in running[shift:] + running[:shift]:
                 began = time.perf_counter()
                 rounds[server.label].append(run_level(base, workload, clients, model,
                                                       args.texts, args.stagger))
@@ -304,7 +319,7 @@ def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append("")
         table = []
         baseline = {r["clients"]: r["decode_tok_s"] for r in rows
-                    if r["server"] == "butter --draft-max 0"}
+                    if r["server"] == BASELINE}
         for label in dict.fromkeys(r["server"] for r in rows):
             cells = [label]
             for clients in levels:
@@ -325,34 +340,46 @@ def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
             table.append(cells)
         lines.append(md_table(["server", *[f"c={c}" for c in levels]], table))
         lines.append("")
-        same, paired = [], []
-        for clients in levels:
-            level = {r["server"]: r for r in rows if r["clients"] == clients}
-            ours, plain = level.get("butter"), level.get("butter --draft-max 0")
-            if not (ours and plain):
-                continue
-            if ours.get("texts") and plain.get("texts"):
-                alike = sum(a == b for a, b in zip(ours["texts"], plain["texts"], strict=True))
-                same.append(f"c={clients}: {alike} of {len(ours['texts'])}")
-            if meta.get("interleaved"):
-                ratios = [a / b for a, b in zip(ours["decode_tok_s_rounds"],
-                                                plain["decode_tok_s_rounds"], strict=True)]
-                totals = [a / b for a, b in zip(ours["aggregate_tok_s_rounds"],
-                                                plain["aggregate_tok_s_rounds"], strict=True)]
-                paired.append(f"c={clients}: ×{statistics.median(ratios):.2f} "
-                              f"({', '.join(f'{r:.2f}' for r in ratios)}); all clients' "
-                              f"tokens over the round's time ×{statistics.median(totals):.2f} "
-                              f"({', '.join(f'{r:.2f}' for r in totals)})")
-        if same:
-            lines.append("butter's texts the same as with --draft-max 0 (last round): "
-                         + ", ".join(same))
-            lines.append("")
-        if paired:
-            lines.append("butter / butter --draft-max 0, round by round (rounds interleaved): "
-                         + "; ".join(paired))
-            lines.append("")
+        for label in dict.fromkeys(r["server"] for r in rows):
+            if label.startswith("butter") and label != BASELINE:
+                lines.extend(against_baseline(label, rows, levels, meta))
     lines.append("× is the ratio to butter --draft-max 0 at the same c.")
     return "\n".join(lines)
+
+
+BASELINE = "butter --draft-max 0"
+
+
+def against_baseline(label: str, rows: list[dict[str, Any]], levels: list[int],
+                     meta: dict[str, Any]) -> list[str]:
+    """Lines comparing one butter server with BASELINE level by level: whether their last
+    round's texts were the same, and (rounds interleaved) their ratio round by round."""
+    same, paired = [], []
+    for clients in levels:
+        level = {r["server"]: r for r in rows if r["clients"] == clients}
+        ours, plain = level.get(label), level.get(BASELINE)
+        if not (ours and plain):
+            continue
+        if ours.get("texts") and plain.get("texts"):
+            alike = sum(a == b for a, b in zip(ours["texts"], plain["texts"], strict=True))
+            same.append(f"c={clients}: {alike} of {len(ours['texts'])}")
+        if meta.get("interleaved"):
+            ratios = [a / b for a, b in zip(ours["decode_tok_s_rounds"],
+                                            plain["decode_tok_s_rounds"], strict=True)]
+            totals = [a / b for a, b in zip(ours["aggregate_tok_s_rounds"],
+                                            plain["aggregate_tok_s_rounds"], strict=True)]
+            paired.append(f"c={clients}: ×{statistics.median(ratios):.2f} "
+                          f"({', '.join(f'{r:.2f}' for r in ratios)}); all clients' "
+                          f"tokens over the round's time ×{statistics.median(totals):.2f} "
+                          f"({', '.join(f'{r:.2f}' for r in totals)})")
+    lines = []
+    if same:
+        lines += [f"{label}'s texts the same as {BASELINE}'s (last round): " + ", ".join(same),
+                  ""]
+    if paired:
+        lines += [f"{label} / {BASELINE}, round by round (rounds interleaved): "
+                  + "; ".join(paired), ""]
+    return lines
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -380,8 +407,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    wanted = args.servers.split(",")
-    servers = [s for s in SERVERS if s.label in wanted]
+    servers = [server_named(label) for label in args.servers.split(",")]
     results = []
     for name in args.workloads.split(","):
         workload = WORKLOADS[name]
