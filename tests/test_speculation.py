@@ -42,8 +42,13 @@ from butter.testing.tiny_gguf import N_LAYER
 from tests.backend_steps import generate_greedy
 from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
 
-CODE = "\n".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}  # step {i}"
-                 for i in range(12))
+
+def scale_code(lines: int) -> str:
+    return "\n".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}  # step {i}"
+                     for i in range(lines))
+
+
+CODE = scale_code(12)
 GREEDY = SamplingParams(temperature=0.0)
 
 
@@ -286,7 +291,7 @@ def long_copy_prompt(backend: Backend) -> list[int]:
     return backend.tokenize(f"{CODE}\n\n{CODE}\n\n{CODE.splitlines()[0]}\n", add_bos=True)
 
 
-BUTTER_ATTENTION = "butter (each row over its cells in fixed chunks)"
+BUTTER_ATTENTION = "butter (each row over the cells it sees, in fixed point)"
 
 
 async def test_the_demo_model_copies_in_wide_steps_that_change_no_bit(
@@ -339,7 +344,7 @@ async def test_the_instruct_model_as_served_copies_past_512_cells_changing_no_bi
         backend = served.backend
         assert isinstance(backend, LlamaCppBackend)
         assert backend.model.query_heads == 9 and backend.decode_attention == BUTTER_ATTENTION
-        prompt = chat(served, f"Repeat this code exactly, twice:\n\n{CODE}")
+        prompt = chat(served, f"Repeat this code exactly:\n\n{scale_code(16)}")
         params = SamplingParams(temperature=0.0, logprobs=2)
         (plain,) = await generate(backend, prompt, [params], 400, draft_max=0, save=True)
         (drafted,) = await generate(backend, prompt, [params], 400, draft_max=8, save=True)

@@ -8,19 +8,28 @@
  * The two round differently, so a decode row verified beside draft rows, or beside another
  * request's rows, is not the lone row it stands for.
  *
- * How: each row first lists the cells its mask lets it see, in cell order. Each (row, KV
- * head, chunk of ATTENTION_CHUNK of those cells) is then a task that computes, for the query
- * heads sharing that KV head, the chunk's largest score, the sum of its exponentials and
- * the exponential-weighted sum of its values. Tasks spread over the threads in any way; each
- * row's partials are then folded chunk after chunk. So a row's result depends only on its
- * query and the ordered cells it sees: not on the other rows, the thread count, the view's
- * size, or where in the cache its cells lie.
+ * Also: llama.cpp sums a row's cells in the order they lie in the cache, and where a
+ * request's cells lie depends on what the cache held before (new cells go to the first free
+ * ones from a head that removals move back, and whether the search starts over depends on
+ * the step's token count): so the same request, or the same request with draft rows in its
+ * steps, is summed in another order on a server with another history.
+ *
+ * How: each row first lists the cells its mask lets it see. Each (row, KV head, chunk of
+ * ATTENTION_CHUNK of those cells) is then a task, in three phases: (1) its query heads'
+ * scores, each chunk's largest, and the chunk's largest |value|; (2) with the row's largest
+ * score and |value| known, the weights e^(score - largest) and the chunk's sums of them and
+ * of the weighted values, in fixed point (integers); (3) per (row, head) the chunks' sums
+ * added and divided. Integers add to the same total in any order, and maxima are the same
+ * in any order, so a row's result depends only on its query and the set of cells it sees:
+ * not on the other rows, the thread count, the view's size, nor where in the cache its
+ * cells lie or in which order.
  *
  * Numbers: scores are dot products of the f32 query with the f32-widened key (llama.cpp
- * rounds the query to f16 first), and values are summed in f32 (llama.cpp sums in f16 for an
- * f16 cache): as exact or more so. Every sum runs in a fixed order of 8-lane vectors and
- * the chunks' exponentials are a fixed polynomial, whatever the instruction set (AVX2 and
- * FMA code on AVX512 CPUs too).
+ * rounds the query to f16 first) in a fixed order of 8-lane vectors, and the exponentials a
+ * fixed polynomial, whatever the instruction set (AVX2 and FMA code on AVX512 CPUs too).
+ * The weights' sum counts units of 2^-40; each weighted value is rounded to units of
+ * 2^-22 of the largest |value| the row sees under that KV head (so 256 of them fit an
+ * int32; chunks add in int64): about f32's precision, where llama.cpp sums the values in f16.
  *
  * Everything here is static: layer_matmul.cpp includes it.
  */
@@ -60,9 +69,6 @@ struct AttentionView {
 static inline int64_t attention_chunks(int64_t n) {
     return (n + ATTENTION_CHUNK - 1) / ATTENTION_CHUNK;
 }
-
-/* Floats of one partial: the maximum score, the sum of exponentials, dv weighted values. */
-static inline int64_t attention_partial_floats(const AttentionView &a) { return 2 + a.dv; }
 
 /* ALiBi's slope for a query head (1 without ALiBi), as llama.cpp computes it. */
 static inline float attention_slope(const AttentionView &a, int64_t head) {
@@ -184,41 +190,6 @@ AVX2_TARGET static inline int64_t attention_visible(const AttentionView &a, int6
     return n;
 }
 
-/* acc = the sum over a chunk's n cells of weights[c] x the value of cells[c] (dv wide), cell
- * after cell; 64 columns at a time, held in registers. */
-AVX2_TARGET static inline void attention_weigh_values(const AttentionView &a, const char *v,
-                                                      const int32_t *cells, int64_t n,
-                                                      const float *weights, float *acc) {
-    const size_t step = a.v_f16 ? 16 : 32;
-    int64_t d = 0;
-    for (; d + 64 <= a.dv; d += 64) {
-        __m256 sum[8];
-        for (int i = 0; i < 8; i++) {
-            sum[i] = _mm256_setzero_ps();
-        }
-        for (int64_t c = 0; c < n; c++) {
-            const __m256 w = _mm256_set1_ps(weights[c]);
-            const char *vc = v + cells[c] * a.v_cell + d / 8 * step;
-            for (int i = 0; i < 8; i++) {
-                sum[i] = _mm256_fmadd_ps(w, attention_load8(vc + i * step, a.v_f16), sum[i]);
-            }
-        }
-        for (int i = 0; i < 8; i++) {
-            _mm256_storeu_ps(acc + d + 8 * i, sum[i]);
-        }
-    }
-    for (; d < a.dv; d += 8) {
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t c = 0; c < n; c++) {
-            sum = _mm256_fmadd_ps(_mm256_set1_ps(weights[c]),
-                                  attention_load8(v + cells[c] * a.v_cell + d / 8 * step,
-                                                  a.v_f16),
-                                  sum);
-        }
-        _mm256_storeu_ps(acc + d, sum);
-    }
-}
-
 /* The scores of a chunk's n cells for one query head: dot(q, key) x scale (capped), plus
  * the mask's value times the head's ALiBi slope; -inf for the chunk's places past n.
  * Returns the largest. */
@@ -273,82 +244,294 @@ AVX2_TARGET static inline float attention_scores(const AttentionView &a, const f
     return top;
 }
 
-/* One task: the partials of query row `row` of stream `seq`, for the query heads of KV head
- * `kv_head`, over one chunk of the cells it sees (`cells`, n of them, in cell order).
- * Partial g goes to out + g * out_stride floats. `scores`: ATTENTION_CHUNK floats. */
-AVX2_TARGET static void attention_chunk(const AttentionView &a, int64_t seq, int64_t row,
-                                        int64_t kv_head, const int32_t *cells, int64_t n,
-                                        float *scores, float *out, int64_t out_stride) {
+/* Where a row's fixed-point sums stand: the weights' sum counts units of 2^-WEIGHT_BITS; the
+ * weighted values' units are 2^-s for the s of attention_value_shift. */
+#define WEIGHT_BITS 40
+#define VALUE_BITS 22 /* a weighted value is at most 2^22 units: 256 of them fit an int32 */
+
+/* The largest |value| of a chunk's n cells (dv wide) under one KV head. An f16's magnitude
+ * orders as its bits without the sign, so those are compared as integers, 16 at a time. */
+AVX2_TARGET static inline float attention_value_range(const AttentionView &a, const char *v,
+                                                      const int32_t *cells, int64_t n) {
+    if (a.v_f16) {
+        const __m256i magnitude = _mm256_set1_epi16(0x7fff);
+        __m256i top = _mm256_setzero_si256();
+        for (int64_t c = 0; c < n; c++) {
+            const char *vc = v + cells[c] * a.v_cell;
+            int64_t d = 0;
+            for (; d + 16 <= a.dv; d += 16) {
+                top = _mm256_max_epu16(top, _mm256_and_si256(magnitude,
+                                                             _mm256_loadu_si256((const __m256i *)(vc + 2 * d))));
+            }
+            for (; d < a.dv; d += 8) {
+                const __m128i half = _mm_and_si128(_mm256_castsi256_si128(magnitude),
+                                                   _mm_loadu_si128((const __m128i *)(vc + 2 * d)));
+                top = _mm256_max_epu16(top, _mm256_inserti128_si256(_mm256_setzero_si256(), half, 0));
+            }
+        }
+        uint16_t lanes[16];
+        _mm256_storeu_si256((__m256i *)lanes, top);
+        uint16_t largest = 0;
+        for (uint16_t x : lanes) {
+            largest = x > largest ? x : largest;
+        }
+        return _cvtsh_ss(largest);
+    }
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c++) {
+        const float *vc = (const float *)(v + cells[c] * a.v_cell);
+        for (int64_t d = 0; d < a.dv; d += 8) {
+            top = _mm256_max_ps(top, _mm256_and_ps(magnitude, _mm256_loadu_ps(vc + d)));
+        }
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    float largest = 0.0f;
+    for (float x : lanes) {
+        largest = x > largest ? x : largest;
+    }
+    return largest;
+}
+
+/* The power of two a row's weighted values are counted in, from the largest |value| the row
+ * sees under that KV head: weights are at most 1, so every weighted value is then at most
+ * 2^VALUE_BITS units. Clamped so that the scale stays a finite float. */
+static inline int attention_value_shift(float largest) {
+    int exponent = 0;
+    frexpf(largest, &exponent); /* largest < 2^exponent */
+    const int shift = VALUE_BITS - exponent;
+    return shift > 100 ? 100 : shift < -100 ? -100 : shift;
+}
+
+/* A chunk's scores (n of them, -inf past n up to the next multiple of 8) become weights
+ * e^(score - top), stored times `scale` (a power of 2, for the weighted values' units);
+ * returns the weights' sum, each rounded to units of 2^-WEIGHT_BITS: an integer. */
+AVX2_TARGET static inline int64_t attention_weights(float *scores, int64_t n, float top,
+                                                    float scale) {
+    const __m256 best = _mm256_set1_ps(top), unseen = _mm256_set1_ps(-INFINITY);
+    const __m256 scaled = _mm256_set1_ps(scale);
+    const __m256d units = _mm256_set1_pd(ldexp(1.0, WEIGHT_BITS));
+    const __m256d magic = _mm256_set1_pd(6755399441055744.0); /* 1.5 x 2^52 */
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t c = 0; c < n; c += 8) {
+        const __m256 s = _mm256_loadu_ps(scores + c);
+        const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(s, unseen, _CMP_EQ_OQ),
+                                          attention_exp(_mm256_sub_ps(s, best)));
+        /* p x 2^40 + 1.5 x 2^52, rounded once to an integer: its low bits are that integer */
+        for (int half = 0; half < 2; half++) {
+            const __m128 four = half ? _mm256_extractf128_ps(p, 1) : _mm256_castps256_ps128(p);
+            const __m256d rounded = _mm256_fmadd_pd(_mm256_cvtps_pd(four), units, magic);
+            sum = _mm256_add_epi64(sum, _mm256_sub_epi64(_mm256_castpd_si256(rounded),
+                                                         _mm256_castpd_si256(magic)));
+        }
+        _mm256_storeu_ps(scores + c, _mm256_mul_ps(p, scaled));
+    }
+    int64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, sum);
+    return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+
+/* x + 1.5 x 2^23 in f32, for |x| <= 2^22, is x rounded to an integer in the low bits: one
+ * fused multiply-add turns a weighted value into its units, and integer adds sum them (the
+ * magic's own bits, added once per cell, are taken off at the end; int32 wraps exactly). */
+#define VALUE_MAGIC 12582912.0f
+#define VALUE_MAGIC_BITS 0x4B400000u
+
+/* For G query heads sharing a KV head: units[g][d] = the sum over a chunk's n cells of
+ * weights[g][c] (already times 2^shift) x the value of cells[c], each rounded to an integer, so
+ * their sum is the same in any order. B x 8 columns at a time, every head's sums held in
+ * registers, each value converted once for the G heads. */
+template <int G, int B>
+AVX2_TARGET static inline void attention_value_units_group(const AttentionView &a,
+                                                           const char *v, const int32_t *cells,
+                                                           int64_t n, int64_t d0, int64_t d1,
+                                                           const float *const *weights,
+                                                           int32_t *const *units) {
+    const size_t step = a.v_f16 ? 16 : 32;
+    const __m256 magic = _mm256_set1_ps(VALUE_MAGIC);
+    const __m256i taken = _mm256_set1_epi32((int32_t)((uint32_t)n * VALUE_MAGIC_BITS));
+    for (int64_t d = d0; d + 8 * B <= d1; d += 8 * B) {
+        __m256i sum[G][B];
+        for (int g = 0; g < G; g++) {
+            for (int b = 0; b < B; b++) {
+                sum[g][b] = _mm256_setzero_si256();
+            }
+        }
+        for (int64_t c = 0; c < n; c++) {
+            __m256 w[G];
+            for (int g = 0; g < G; g++) {
+                w[g] = _mm256_broadcast_ss(weights[g] + c);
+            }
+            const char *vc = v + cells[c] * a.v_cell + d / 8 * step;
+            for (int b = 0; b < B; b++) {
+                const __m256 value = attention_load8(vc + b * step, a.v_f16);
+                for (int g = 0; g < G; g++) {
+                    sum[g][b] = _mm256_add_epi32(
+                        sum[g][b], _mm256_castps_si256(_mm256_fmadd_ps(w[g], value, magic)));
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            for (int b = 0; b < B; b++) {
+                _mm256_storeu_si256((__m256i *)(units[g] + d + 8 * b),
+                                    _mm256_sub_epi32(sum[g][b], taken));
+            }
+        }
+    }
+}
+
+/* attention_value_units_group for G heads (1..4) over all dv columns: as many as fit the
+ * registers at a time, then 8 at a time. */
+template <int G>
+AVX2_TARGET static inline void attention_value_units_heads(const AttentionView &a,
+                                                           const char *v, const int32_t *cells,
+                                                           int64_t n, const float *const *weights,
+                                                           int32_t *const *units) {
+    constexpr int B = G == 1 ? 8 : G == 2 ? 4 : 2;
+    const int64_t wide = a.dv / (8 * B) * (8 * B);
+    attention_value_units_group<G, B>(a, v, cells, n, 0, wide, weights, units);
+    attention_value_units_group<G, 1>(a, v, cells, n, wide, a.dv, weights, units);
+}
+
+/* Where one wave of rows keeps its work: per (row, query head) every score the row sees
+ * (`stride` floats, a multiple of ATTENTION_CHUNK) and each chunk's largest, per (row, KV
+ * head) each chunk's largest |value|, and per (row, query head, chunk) the chunk's sums:
+ * the weights' (int64) and the weighted values' (dv int32). */
+struct AttentionWave {
+    float *scores, *maxima, *ranges;
+    int64_t *weight_units;
+    int32_t *value_units;
+    int64_t stride, chunks, heads, kv_heads, dv;
+
+    float *scores_of(int64_t row, int64_t head) const {
+        return scores + (row * heads + head) * stride;
+    }
+    float *maxima_of(int64_t row, int64_t head) const {
+        return maxima + (row * heads + head) * chunks;
+    }
+    float *ranges_of(int64_t row, int64_t kv_head) const {
+        return ranges + (row * kv_heads + kv_head) * chunks;
+    }
+    int64_t *weight_units_of(int64_t row, int64_t head) const {
+        return weight_units + (row * heads + head) * chunks;
+    }
+    int32_t *value_units_of(int64_t row, int64_t head, int64_t chunk) const {
+        return value_units + ((row * heads + head) * chunks + chunk) * dv;
+    }
+};
+
+/* Phase 1 of a task (row `row` of the wave, stream `seq`, KV head `kv_head`, chunk `chunk`
+ * of the n cells listed at `cells`): each query head's scores and their largest, and the
+ * largest |value|. */
+AVX2_TARGET static void attention_score_chunk(const AttentionView &a, const AttentionWave &w,
+                                              int64_t seq, int64_t query_row, int64_t row,
+                                              int64_t kv_head, int64_t chunk,
+                                              const int32_t *cells, int64_t n) {
     const int64_t group = a.heads / a.kv_heads;
     const char *k = a.k + kv_head * a.k_head + seq * a.k_seq;
     const char *v = a.v + kv_head * a.v_head + seq * a.v_seq;
-    const uint16_t *mask = a.mask == nullptr ? nullptr : attention_mask_row(a, seq, row);
+    const uint16_t *mask = a.mask == nullptr ? nullptr : attention_mask_row(a, seq, query_row);
     for (int64_t g = 0; g < group; g++) {
         const int64_t head = kv_head * group + g;
-        const float *q = (const float *)(a.q + row * a.q_row + head * a.q_head + seq * a.q_seq);
-        const float best =
-            attention_scores(a, q, k, mask, attention_slope(a, head), cells, n, scores);
-        float *partial = out + g * out_stride;
-        partial[0] = best;
-        partial[1] = 0.0f;
-        if (best == -INFINITY) {
-            continue; /* (every score -inf: the fold skips it) */
+        const float *q =
+            (const float *)(a.q + query_row * a.q_row + head * a.q_head + seq * a.q_seq);
+        w.maxima_of(row, head)[chunk] =
+            attention_scores(a, q, k, mask, attention_slope(a, head), cells, n,
+                             w.scores_of(row, head) + chunk * ATTENTION_CHUNK);
+    }
+    w.ranges_of(row, kv_head)[chunk] = attention_value_range(a, v, cells, n);
+}
+
+/* A row's largest score for one query head over its `chunks` chunks, the sink included. */
+static inline float attention_top(const AttentionView &a, const AttentionWave &w, int64_t row,
+                                  int64_t head, int64_t chunks) {
+    float top = a.sinks != nullptr ? a.sinks[head] : -INFINITY;
+    const float *maxima = w.maxima_of(row, head);
+    for (int64_t c = 0; c < chunks; c++) {
+        top = maxima[c] > top ? maxima[c] : top;
+    }
+    return top;
+}
+
+/* A row's value shift under one KV head, from its chunks' largest |value|. */
+static inline int attention_row_shift(const AttentionWave &w, int64_t row, int64_t kv_head,
+                                      int64_t chunks) {
+    float largest = 0.0f;
+    const float *ranges = w.ranges_of(row, kv_head);
+    for (int64_t c = 0; c < chunks; c++) {
+        largest = ranges[c] > largest ? ranges[c] : largest;
+    }
+    return attention_value_shift(largest);
+}
+
+/* Phase 2 of a task: its scores become weights e^(score - the row's top score), and the
+ * chunk's fixed-point sums are written. `chunks`: how many the row has. */
+AVX2_TARGET static void attention_weigh_chunk(const AttentionView &a, const AttentionWave &w,
+                                              int64_t seq, int64_t row, int64_t kv_head,
+                                              int64_t chunk, int64_t chunks,
+                                              const int32_t *cells, int64_t n) {
+    const int64_t group = a.heads / a.kv_heads;
+    const char *v = a.v + kv_head * a.v_head + seq * a.v_seq;
+    const float scale = ldexpf(1.0f, attention_row_shift(w, row, kv_head, chunks));
+    const float *weights[4];
+    int32_t *units[4];
+    int heads = 0;
+    for (int64_t g = 0; g < group; g++) {
+        const int64_t head = kv_head * group + g;
+        float *scores = w.scores_of(row, head) + chunk * ATTENTION_CHUNK;
+        const float top = attention_top(a, w, row, head, chunks);
+        if (top == -INFINITY || w.maxima_of(row, head)[chunk] == -INFINITY) {
+            w.weight_units_of(row, head)[chunk] = 0; /* nothing seen here */
+            memset(w.value_units_of(row, head, chunk), 0, (size_t)a.dv * sizeof(int32_t));
+        } else {
+            w.weight_units_of(row, head)[chunk] = attention_weights(scores, n, top, scale);
+            weights[heads] = scores;
+            units[heads++] = w.value_units_of(row, head, chunk);
         }
-        /* exponentials in place (0 past n), summed lane by lane over the whole chunk */
-        const __m256 top = _mm256_set1_ps(best), unseen = _mm256_set1_ps(-INFINITY);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t c = 0; c < ATTENTION_CHUNK; c += 8) {
-            const __m256 s = _mm256_loadu_ps(scores + c);
-            const __m256 p = _mm256_andnot_ps(_mm256_cmp_ps(s, unseen, _CMP_EQ_OQ),
-                                              attention_exp(_mm256_sub_ps(s, top)));
-            _mm256_storeu_ps(scores + c, p);
-            sum = _mm256_add_ps(sum, p);
+        if (heads == 4 || (g == group - 1 && heads > 0)) {
+            switch (heads) {
+            case 1: attention_value_units_heads<1>(a, v, cells, n, weights, units); break;
+            case 2: attention_value_units_heads<2>(a, v, cells, n, weights, units); break;
+            case 3: attention_value_units_heads<3>(a, v, cells, n, weights, units); break;
+            default: attention_value_units_heads<4>(a, v, cells, n, weights, units); break;
+            }
+            heads = 0;
         }
-        partial[1] = attention_hsum(sum);
-        attention_weigh_values(a, v, cells, n, scores, partial + 2);
     }
 }
 
-/* Folds one chunk's partial into a row's running one (both: max, sum, dv values). A chunk
- * with nothing in it changes nothing; the first one with something is copied exactly. */
-AVX2_TARGET static inline void attention_fold(int64_t dv, float *into, const float *chunk) {
-    if (chunk[1] == 0.0f) {
+/* Phase 3: a row's result for one query head from its chunks' sums (added as integers, so
+ * in any order to the same total), the sink's weight joining the weights', and the row goes
+ * to its place in dst. */
+AVX2_TARGET static inline void attention_finish(const AttentionView &a, const AttentionWave &w,
+                                                int64_t seq, int64_t query_row, int64_t row,
+                                                int64_t head, int64_t chunks) {
+    const int64_t kv_head = head / (a.heads / a.kv_heads);
+    const float top = attention_top(a, w, row, head, chunks);
+    float *out = (float *)(a.dst + (size_t)(seq * a.rows * a.heads + head +
+                                            query_row * a.heads) * a.dst_row);
+    if (top == -INFINITY) {
+        memset(out, 0, (size_t)a.dv * sizeof(float));
         return;
     }
-    const float top = into[0] > chunk[0] ? into[0] : chunk[0];
-    const float old_scale = expf(into[0] - top), new_scale = expf(chunk[0] - top);
-    const __m256 a = _mm256_set1_ps(old_scale), b = _mm256_set1_ps(new_scale);
-    for (int64_t d = 0; d < dv; d += 8) {
-        const __m256 kept = _mm256_mul_ps(_mm256_loadu_ps(into + 2 + d), a);
-        _mm256_storeu_ps(into + 2 + d, _mm256_fmadd_ps(_mm256_loadu_ps(chunk + 2 + d), b, kept));
+    int64_t weight_units = 0;
+    for (int64_t c = 0; c < chunks; c++) {
+        weight_units += w.weight_units_of(row, head)[c];
     }
-    into[1] = fmaf(chunk[1], new_scale, into[1] * old_scale);
-    into[0] = top;
-}
-
-/* A row's result from its folded partial: the sink (if any) joins the softmax, the values
- * are divided by the sum, and the row goes to its place in dst. */
-AVX2_TARGET static inline void attention_finish(const AttentionView &a, int64_t seq, int64_t row,
-                                                int64_t head, float *folded) {
-    float *acc = folded + 2;
-    float top = folded[0], sum = folded[1];
     if (a.sinks != nullptr) {
-        const float s = a.sinks[head];
-        if (s > top) {
-            const float shrink = expf(top - s);
-            for (int64_t d = 0; d < a.dv; d++) {
-                acc[d] *= shrink;
-            }
-            sum = sum * shrink + 1.0f;
-        } else {
-            sum += expf(s - top);
-        }
+        weight_units += (int64_t)nearbyint(ldexp((double)expf(a.sinks[head] - top), WEIGHT_BITS));
     }
-    const float inverse = sum == 0.0f ? 0.0f : 1.0f / sum;
-    float *out = (float *)(a.dst + (size_t)(seq * a.rows * a.heads + head + row * a.heads) *
-                                       a.dst_row);
+    const int shift = attention_row_shift(w, row, kv_head, chunks);
+    /* value units x 2^-shift over weight units x 2^-WEIGHT_BITS */
+    const double per_unit =
+        weight_units == 0 ? 0.0 : ldexp(1.0, WEIGHT_BITS - shift) / (double)weight_units;
     for (int64_t d = 0; d < a.dv; d++) {
-        out[d] = acc[d] * inverse;
+        int64_t units = 0;
+        for (int64_t c = 0; c < chunks; c++) {
+            units += w.value_units_of(row, head, c)[d];
+        }
+        out[d] = (float)((double)units * per_unit);
     }
 }
 

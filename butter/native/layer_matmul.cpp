@@ -53,6 +53,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -60,6 +61,7 @@
 #include <cstdlib>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "q4_1_q5_0_tiles.h"
@@ -68,7 +70,7 @@
 #include "q8_0_tiles.h"
 #include "decode_attention.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 9
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 10
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -664,98 +666,126 @@ AttentionView attention_view(const tensor *op) {
     return a;
 }
 
-/* The work buffer holds each (row, head)'s folded partial, the cells each row sees, the
- * partials of a wave of chunks (as many as fit in ATTENTION_WAVE_BYTES, at least one: more
- * chunks take more waves, with the same folds in the same order) and a chunk's scores per
- * thread. */
-constexpr size_t ATTENTION_WAVE_BYTES = (size_t)8 << 20;
+/* The work buffer holds the cells each row sees and, for a wave of rows (as many as fit in
+ * ATTENTION_WAVE_BYTES, at least one: more rows take more waves), decode_attention.h's
+ * AttentionWave. */
+constexpr size_t ATTENTION_WAVE_BYTES = (size_t)16 << 20;
 
 struct AttentionWork {
-    int64_t rows, pairs, partial, cells, wave;
-    size_t folded_bytes, cells_bytes, wave_bytes, scores_bytes;
+    int64_t rows, heads, kv_heads, dv, cells, stride, chunks, wave_rows;
+    size_t cells_bytes, scores_bytes, maxima_bytes, ranges_bytes, weight_bytes, value_bytes;
 
     explicit AttentionWork(const tensor *op) {
         const tensor *q = op->src[0], *k = op->src[1], *v = op->src[2];
         rows = q->ne[3] * q->ne[1];
-        pairs = rows * q->ne[2];
-        partial = 2 + v->ne[0];
+        heads = q->ne[2], kv_heads = k->ne[2], dv = v->ne[0];
         cells = k->ne[1];
-        const int64_t chunks = attention_chunks(cells);
-        const int64_t fit = (int64_t)(ATTENTION_WAVE_BYTES / ((size_t)pairs * partial * 4));
-        wave = chunks < fit ? chunks : fit;
-        wave = wave > 1 ? wave : 1;
-        folded_bytes = aligned((size_t)pairs * partial * sizeof(float));
+        chunks = attention_chunks(cells);
+        stride = chunks * ATTENTION_CHUNK;
         cells_bytes = aligned((size_t)rows * (cells * sizeof(int32_t) + sizeof(int64_t)));
-        wave_bytes = aligned((size_t)(pairs * wave * partial) * sizeof(float));
-        scores_bytes = aligned(ATTENTION_CHUNK * sizeof(float));
+        const size_t per_row = row_bytes(1);
+        const int64_t fit = (int64_t)(ATTENTION_WAVE_BYTES / per_row);
+        wave_rows = fit < 1 ? 1 : fit > rows ? rows : fit;
+        scores_bytes = aligned((size_t)(wave_rows * heads * stride) * sizeof(float));
+        maxima_bytes = aligned((size_t)(wave_rows * heads * chunks) * sizeof(float));
+        ranges_bytes = aligned((size_t)(wave_rows * kv_heads * chunks) * sizeof(float));
+        weight_bytes = aligned((size_t)(wave_rows * heads * chunks) * sizeof(int64_t));
+        value_bytes = aligned((size_t)(wave_rows * heads * chunks * dv) * sizeof(int32_t));
+    }
+
+    size_t row_bytes(int64_t n) const {
+        return (size_t)(n * heads * stride) * sizeof(float) +
+               (size_t)(n * heads * chunks) * (sizeof(float) + sizeof(int64_t)) +
+               (size_t)(n * kv_heads * chunks) * sizeof(float) +
+               (size_t)(n * heads * chunks * dv) * sizeof(int32_t);
     }
 
     size_t bytes(int n_threads) const {
-        return folded_bytes + cells_bytes + wave_bytes + (size_t)n_threads * scores_bytes + ALIGN;
+        (void)n_threads;
+        return cells_bytes + scores_bytes + maxima_bytes + ranges_bytes + weight_bytes +
+               value_bytes + ALIGN;
+    }
+
+    AttentionWave wave(char *base) const {
+        char *at = base + cells_bytes;
+        AttentionWave w{};
+        w.scores = (float *)at, at += scores_bytes;
+        w.maxima = (float *)at, at += maxima_bytes;
+        w.ranges = (float *)at, at += ranges_bytes;
+        w.weight_units = (int64_t *)at, at += weight_bytes;
+        w.value_units = (int32_t *)at;
+        w.stride = stride, w.chunks = chunks, w.heads = heads, w.kv_heads = kv_heads;
+        w.dv = dv;
+        return w;
     }
 };
 
 #ifdef BUTTER_X86
 
+/* A run of a wave's tasks (row, chunk, KV head; KV heads of a chunk next to each other: a
+ * cache stores a cell's heads side by side, so they share cache lines) in one phase. */
+template <typename Phase>
+void attention_tasks(const ggml_mirror::compute_params *params, const AttentionView &a,
+                     const AttentionWork &work, int64_t first_row, int64_t wave_rows,
+                     const int64_t *seen, const int32_t *cells, Phase phase) {
+    const int64_t tasks = wave_rows * work.chunks * a.kv_heads;
+    const int64_t first_task = tasks * params->ith / params->nth,
+                  end_task = tasks * (params->ith + 1) / params->nth;
+    for (int64_t t = first_task; t < end_task; t++) {
+        const int64_t kv_head = t % a.kv_heads, c = t / a.kv_heads % work.chunks,
+                      row = t / a.kv_heads / work.chunks, r = first_row + row;
+        const int64_t first = c * ATTENTION_CHUNK;
+        if (first >= seen[r]) {
+            continue; /* this row has fewer chunks */
+        }
+        const int64_t n = seen[r] - first < ATTENTION_CHUNK ? seen[r] - first : ATTENTION_CHUNK;
+        phase(r / a.rows, r % a.rows, row, kv_head, c, attention_chunks(seen[r]),
+              cells + r * work.cells + first, n);
+    }
+}
+
+/* Each row over the cells it sees, in three phases with a barrier after each: scores (and
+ * each chunk's largest score and |value|), then each chunk's weights and fixed-point sums
+ * (the row's largest score and |value| known by then), then each (row, head)'s result from
+ * the sums of its chunks. Integers add up to the same in any order, so where in the cache
+ * a row's cells lie, and in which order, changes no bit of its result. */
 void attend(ggml_mirror::compute_params *params, tensor *op) {
     const AttentionView a = attention_view(op);
     const AttentionWork work(op);
     const int ith = params->ith, nth = params->nth;
     char *base = (char *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
-    float *folded = (float *)base;
-    int64_t *seen = (int64_t *)(base + work.folded_bytes); /* per row: how many cells */
-    int32_t *cells = (int32_t *)(seen + work.rows);         /* per row: which, in order */
-    float *partials = (float *)(base + work.folded_bytes + work.cells_bytes);
-    float *scores = (float *)(base + work.folded_bytes + work.cells_bytes + work.wave_bytes +
-                              ith * work.scores_bytes);
-    const int64_t P = work.partial, group = a.heads / a.kv_heads;
-    /* Each thread lists the cells of the rows it folds, and folds and finishes its own pairs:
-     * no barrier before the first fold but the one that shares the lists. */
+    int64_t *seen = (int64_t *)base;           /* per row: how many cells */
+    int32_t *cells = (int32_t *)(seen + work.rows); /* per row: which, in order */
+    const AttentionWave wave = work.wave(base);
     for (int64_t r = ith; r < work.rows; r += nth) {
         seen[r] = attention_visible(a, r / a.rows, r % a.rows, cells + r * work.cells);
     }
-    for (int64_t p = ith; p < work.pairs; p += nth) {
-        float *f = folded + p * P;
-        f[0] = -INFINITY;
-        memset(f + 1, 0, (size_t)(P - 1) * sizeof(float));
-    }
     barrier(params);
-    int64_t chunks = 0;
-    for (int64_t r = 0; r < work.rows; r++) {
-        chunks = attention_chunks(seen[r]) > chunks ? attention_chunks(seen[r]) : chunks;
-    }
-    for (int64_t start = 0; start < chunks; start += work.wave) {
-        const int64_t wc = chunks - start < work.wave ? chunks - start : work.wave;
-        /* Each thread takes a run of tasks, KV heads of a chunk next to each other: a cache
-         * stores a cell's heads side by side, so they share cache lines. */
-        const int64_t tasks = work.rows * wc * a.kv_heads;
-        const int64_t first_task = tasks * ith / nth, end_task = tasks * (ith + 1) / nth;
-        for (int64_t t = first_task; t < end_task; t++) {
-            const int64_t kv_head = t % a.kv_heads, c = t / a.kv_heads % wc,
-                          r = t / a.kv_heads / wc;
-            const int64_t first = (start + c) * ATTENTION_CHUNK;
-            if (first >= seen[r]) {
-                continue; /* this row has fewer chunks */
-            }
-            const int64_t n = seen[r] - first < ATTENTION_CHUNK ? seen[r] - first : ATTENTION_CHUNK;
-            attention_chunk(a, r / a.rows, r % a.rows, kv_head, cells + r * work.cells + first,
-                            n, scores,
-                            partials + ((r * a.heads + kv_head * group) * wc + c) * P, wc * P);
-        }
+    for (int64_t first_row = 0; first_row < work.rows; first_row += work.wave_rows) {
+        const int64_t rows = work.rows - first_row < work.wave_rows ? work.rows - first_row
+                                                                    : work.wave_rows;
+        attention_tasks(params, a, work, first_row, rows, seen, cells,
+                        [&](int64_t seq, int64_t query_row, int64_t row, int64_t kv_head,
+                            int64_t chunk, int64_t, const int32_t *listed, int64_t n) {
+                            attention_score_chunk(a, wave, seq, query_row, row, kv_head, chunk,
+                                                  listed, n);
+                        });
         barrier(params);
-        for (int64_t p = ith; p < work.pairs; p += nth) {
-            const int64_t r = p / a.heads;
-            for (int64_t c = 0; c < wc && (start + c) * ATTENTION_CHUNK < seen[r]; c++) {
-                attention_fold(a.dv, folded + p * P, partials + (p * wc + c) * P);
-            }
+        attention_tasks(params, a, work, first_row, rows, seen, cells,
+                        [&](int64_t seq, int64_t, int64_t row, int64_t kv_head, int64_t chunk,
+                            int64_t chunks, const int32_t *listed, int64_t n) {
+                            attention_weigh_chunk(a, wave, seq, row, kv_head, chunk, chunks,
+                                                  listed, n);
+                        });
+        barrier(params);
+        for (int64_t p = ith; p < rows * a.heads; p += nth) {
+            const int64_t row = p / a.heads, r = first_row + row;
+            attention_finish(a, wave, r / a.rows, r % a.rows, row, p % a.heads,
+                             attention_chunks(seen[r]));
         }
-        if (start + work.wave < chunks) {
-            barrier(params); /* the next wave writes over these partials */
+        if (first_row + work.wave_rows < work.rows) {
+            barrier(params); /* the next wave writes over this one's work */
         }
-    }
-    for (int64_t p = ith; p < work.pairs; p += nth) {
-        const int64_t r = p / a.heads;
-        attention_finish(a, r / a.rows, r % a.rows, p % a.heads, folded + p * P);
     }
     if (ith == 0) {
         if (probing.load()) {
@@ -1264,43 +1294,77 @@ int32_t butter_layer_matmul_self_check(int32_t type, int64_t k, int64_t n, int64
     return BUTTER_OK;
 }
 
+/* Where the probe's cells lie in a view of `view` slots: cell c at slot[c]. Placement 0
+ * keeps them in order at the start; any other value scatters them over the view in an order
+ * of its own (a Fisher-Yates shuffle drawn from probe_values). */
+std::vector<int64_t> probe_slots(int64_t cells, int64_t view, int64_t placement) {
+    std::vector<int64_t> slots(view);
+    for (int64_t i = 0; i < view; i++) {
+        slots[i] = i;
+    }
+    if (placement != 0) {
+        std::vector<float> draws(view);
+        probe_values((uint64_t)placement * 7919, draws.data(), view);
+        for (int64_t i = view - 1; i > 0; i--) {
+            const int64_t j = (int64_t)((draws[i] + 1.0f) * 0.5f * (float)(i + 1)) % (i + 1);
+            std::swap(slots[i], slots[j]);
+        }
+    }
+    slots.resize(cells);
+    return slots;
+}
+
 /* One flash attention through a real ggml graph on `threads` threads, with butter's decode
  * attention on (`butter` 1) or llama.cpp's own: `rows` query rows of `heads` heads over
  * `cells` f16 cells of `kv_heads` heads, `dim` wide, scaled by 1/sqrt(dim). The keys and
  * values come from `seed`, query row r from `seed` + 1 + r, and row r sees every cell but
  * those c with c % 5 == r % 5, so the first rows of a bigger probe are those of a smaller one.
+ * The cells lie in a view of `view` slots (>= cells) as `placement` puts them
+ * (probe_slots); the other slots hold other values, hidden from every row.
  * out: the rows x heads x dim results; *ran: 1 if butter computed them. */
 int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_t cells,
-                                            int64_t heads, int64_t kv_heads, int64_t dim,
-                                            int32_t threads, int64_t seed, float *out,
-                                            size_t out_bytes, int32_t *ran) {
-    if (out == nullptr || ran == nullptr || rows <= 0 || cells <= 0 || kv_heads <= 0 ||
-        heads % kv_heads != 0 || dim <= 0 || threads <= 0 ||
+                                            int64_t view, int64_t placement, int64_t heads,
+                                            int64_t kv_heads, int64_t dim, int32_t threads,
+                                            int64_t seed, float *out, size_t out_bytes,
+                                            int32_t *ran) {
+    if (out == nullptr || ran == nullptr || rows <= 0 || cells <= 0 || view < cells ||
+        kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || threads <= 0 ||
         out_bytes < (size_t)(rows * heads * dim) * sizeof(float)) {
         return BUTTER_E_ARGUMENT;
     }
     if (!registered) {
         return BUTTER_E_STATE;
     }
-    const size_t kv_floats = (size_t)(dim * cells * kv_heads);
-    Context compute(2 * kv_floats * sizeof(float) + (size_t)(rows * (heads * dim * 2 + cells)) *
+    const size_t kv_floats = (size_t)(dim * view * kv_heads);
+    Context compute(2 * kv_floats * sizeof(float) + (size_t)(rows * (heads * dim * 2 + view)) *
                         sizeof(float) + ((size_t)16 << 20), false);
     if (compute.ctx == nullptr) {
         return BUTTER_E_STATE;
     }
     tensor *q = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F32, dim, rows, heads);
-    tensor *k = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, cells, kv_heads);
-    tensor *v = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, cells, kv_heads);
-    tensor *mask = ggml.new_tensor_2d(compute.ctx, ggml_mirror::TYPE_F16, cells, rows);
+    tensor *k = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, view, kv_heads);
+    tensor *v = ggml.new_tensor_3d(compute.ctx, ggml_mirror::TYPE_F16, dim, view, kv_heads);
+    tensor *mask = ggml.new_tensor_2d(compute.ctx, ggml_mirror::TYPE_F16, view, rows);
     if (q == nullptr || k == nullptr || v == nullptr || mask == nullptr) {
         return BUTTER_E_STATE;
     }
-    std::vector<float> values(kv_floats);
-    probe_values((uint64_t)seed, values.data(), (int64_t)kv_floats);
-    ggml.fp32_to_fp16_row(values.data(), (uint16_t *)ggml.get_data(k), (int64_t)kv_floats);
-    probe_values((uint64_t)seed + 1000003, values.data(), (int64_t)kv_floats);
-    ggml.fp32_to_fp16_row(values.data(), (uint16_t *)ggml.get_data(v), (int64_t)kv_floats);
-    std::vector<float> row(dim), hidden(cells);
+    const std::vector<int64_t> slots = probe_slots(cells, view, placement);
+    std::vector<float> values((size_t)(dim * cells * kv_heads)), placed(kv_floats);
+    for (int which = 0; which < 2; which++) {
+        /* the other slots' values first, then the cells' over their slots */
+        probe_values((uint64_t)seed + 77 + (uint64_t)which, placed.data(), (int64_t)kv_floats);
+        probe_values((uint64_t)seed + (which ? 1000003 : 0), values.data(),
+                     (int64_t)values.size());
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t c = 0; c < cells; c++) {
+                memcpy(placed.data() + (h * view + slots[c]) * dim,
+                       values.data() + (h * cells + c) * dim, (size_t)dim * sizeof(float));
+            }
+        }
+        ggml.fp32_to_fp16_row(placed.data(), (uint16_t *)ggml.get_data(which ? v : k),
+                              (int64_t)kv_floats);
+    }
+    std::vector<float> row(dim), hidden(view);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t h = 0; h < heads; h++) {
             probe_values((uint64_t)(seed + 1 + r) * 131 + (uint64_t)h, row.data(), dim);
@@ -1310,11 +1374,12 @@ int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_
             memcpy((char *)ggml.get_data(q) + r * q->nb[1] + h * q->nb[2], row.data(),
                    (size_t)dim * sizeof(float));
         }
+        std::fill(hidden.begin(), hidden.end(), -INFINITY);
         for (int64_t c = 0; c < cells; c++) {
-            hidden[c] = c % 5 == r % 5 ? -INFINITY : 0.0f;
+            hidden[slots[c]] = c % 5 == r % 5 ? -INFINITY : 0.0f;
         }
         ggml.fp32_to_fp16_row(hidden.data(),
-                              (uint16_t *)((char *)ggml.get_data(mask) + r * mask->nb[1]), cells);
+                              (uint16_t *)((char *)ggml.get_data(mask) + r * mask->nb[1]), view);
     }
     tensor *y = ggml.flash_attn_ext(compute.ctx, q, k, v, mask, 1.0f / sqrtf((float)dim), 0.0f,
                                     0.0f);

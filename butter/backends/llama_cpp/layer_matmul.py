@@ -54,7 +54,7 @@ T = TypeVar("T")
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 9
+ABI_VERSION = 10
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -66,7 +66,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_enable_types": (_I32, [_I32]),
     "butter_layer_matmul_decode_attention": (_I32, [_I32]),
     "butter_layer_matmul_attention_probe": (
-        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
     "butter_layer_matmul_self_check": (
         _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
@@ -159,16 +159,19 @@ class LayerMatmul:
         self._lib.butter_layer_matmul_decode_attention(int(on))
 
     def attention_probe(self, *, butter: bool, rows: int, cells: int, heads: int,
-                        kv_heads: int, dim: int, threads: int, seed: int) -> list[float]:
+                        kv_heads: int, dim: int, threads: int, seed: int,
+                        view: int | None = None, placement: int = 0) -> list[float]:
         """One flash attention through a real ggml graph (butter_layer_matmul_attention_probe:
         probe values, a mask that hides every fifth cell), computed by butter's decode
-        attention or by llama.cpp's: the rows x heads x dim results. Raises Unavailable if
-        butter's was asked for and llama.cpp computed it."""
+        attention or by llama.cpp's: the rows x heads x dim results. The cells lie in a
+        cache view of `view` slots (default: just them), in order (`placement` 0) or
+        scattered in an order that `placement` draws. Raises Unavailable if butter's was
+        asked for and llama.cpp computed it."""
         out = (ctypes.c_float * (rows * heads * dim))()
         ran = ctypes.c_int32()
         status = self._lib.butter_layer_matmul_attention_probe(
-            int(butter), rows, cells, heads, kv_heads, dim, threads, seed, out,
-            ctypes.sizeof(out), ctypes.byref(ran))
+            int(butter), rows, cells, cells if view is None else view, placement, heads,
+            kv_heads, dim, threads, seed, out, ctypes.sizeof(out), ctypes.byref(ran))
         if status != OK:
             raise ValueError(f"the attention probe could not run (status {status})")
         if butter and not ran.value:
