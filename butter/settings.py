@@ -32,9 +32,11 @@ DEFAULT_PREFILL_CHUNK = 256
 # more time to its first token (docs/architecture.md).
 DEFAULT_DECODE_STALL_SECONDS = 0.0
 # Speculative decoding: the most draft tokens one session verifies in a step. The backend's
-# exact batch width limits it first on llama.cpp's CPU builds (6, or 2 with repacked
-# weights); the engine takes fewer wherever the measured step costs say so.
-DEFAULT_DRAFT_MAX = 8
+# exact batch width limits it first: 15 where butter's kernels multiply every matrix, else
+# 6, or 2 with llama.cpp's repacked weights. The engine takes fewer wherever the measured
+# step costs say so, so a cap at that width costs nothing where drafts are not kept and lets
+# a long copy take whole lines a step (benchmarks/RESULTS.md, "How many drafts a step").
+DEFAULT_DRAFT_MAX = 15
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 # After a stream's first content, SSE frames are written at most this often (seconds):
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
