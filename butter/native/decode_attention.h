@@ -443,26 +443,25 @@ AVX2_TARGET static void attention_score_chunk(const AttentionView &a, const Atte
     w.ranges_of(row, kv_head)[chunk] = attention_value_range(a, v, cells, n);
 }
 
+/* The largest of `start` and the n values at xs (a row's per-chunk largest). */
+static inline float attention_largest(const float *xs, int64_t n, float start) {
+    for (int64_t c = 0; c < n; c++) {
+        start = xs[c] > start ? xs[c] : start;
+    }
+    return start;
+}
+
 /* A row's largest score for one query head over its `chunks` chunks, the sink included. */
 static inline float attention_top(const AttentionView &a, const AttentionWave &w, int64_t row,
                                   int64_t head, int64_t chunks) {
-    float top = a.sinks != nullptr ? a.sinks[head] : -INFINITY;
-    const float *maxima = w.maxima_of(row, head);
-    for (int64_t c = 0; c < chunks; c++) {
-        top = maxima[c] > top ? maxima[c] : top;
-    }
-    return top;
+    return attention_largest(w.maxima_of(row, head), chunks,
+                             a.sinks != nullptr ? a.sinks[head] : -INFINITY);
 }
 
 /* A row's value shift under one KV head, from its chunks' largest |value|. */
 static inline int attention_row_shift(const AttentionWave &w, int64_t row, int64_t kv_head,
                                       int64_t chunks) {
-    float largest = 0.0f;
-    const float *ranges = w.ranges_of(row, kv_head);
-    for (int64_t c = 0; c < chunks; c++) {
-        largest = ranges[c] > largest ? ranges[c] : largest;
-    }
-    return attention_value_shift(largest);
+    return attention_value_shift(attention_largest(w.ranges_of(row, kv_head), chunks, 0.0f));
 }
 
 /* Phase 2 of a task: its scores become weights e^(score - the row's top score), and the

@@ -683,8 +683,7 @@ struct AttentionWork {
         chunks = attention_chunks(cells);
         stride = chunks * ATTENTION_CHUNK;
         cells_bytes = aligned((size_t)rows * (cells * sizeof(int32_t) + sizeof(int64_t)));
-        const size_t per_row = row_bytes(1);
-        const int64_t fit = (int64_t)(ATTENTION_WAVE_BYTES / per_row);
+        const int64_t fit = (int64_t)(ATTENTION_WAVE_BYTES / wave_bytes_per_row());
         wave_rows = fit < 1 ? 1 : fit > rows ? rows : fit;
         scores_bytes = aligned((size_t)(wave_rows * heads * stride) * sizeof(float));
         maxima_bytes = aligned((size_t)(wave_rows * heads * chunks) * sizeof(float));
@@ -693,15 +692,15 @@ struct AttentionWork {
         value_bytes = aligned((size_t)(wave_rows * heads * chunks * dv) * sizeof(int32_t));
     }
 
-    size_t row_bytes(int64_t n) const {
-        return (size_t)(n * heads * stride) * sizeof(float) +
-               (size_t)(n * heads * chunks) * (sizeof(float) + sizeof(int64_t)) +
-               (size_t)(n * kv_heads * chunks) * sizeof(float) +
-               (size_t)(n * heads * chunks * dv) * sizeof(int32_t);
+    /* One row's share of a wave: its scores, maxima, ranges and sums. */
+    size_t wave_bytes_per_row() const {
+        return (size_t)(heads * stride) * sizeof(float) +
+               (size_t)(heads * chunks) * (sizeof(float) + sizeof(int64_t)) +
+               (size_t)(kv_heads * chunks) * sizeof(float) +
+               (size_t)(heads * chunks * dv) * sizeof(int32_t);
     }
 
-    size_t bytes(int n_threads) const {
-        (void)n_threads;
+    size_t bytes() const {
         return cells_bytes + scores_bytes + maxima_bytes + ranges_bytes + weight_bytes +
                value_bytes + ALIGN;
     }
@@ -800,14 +799,14 @@ void attend(ggml_mirror::compute_params *params, tensor *op) {
 #endif /* BUTTER_X86 */
 
 class DecodeAttention : public ggml_mirror::tensor_traits {
-    bool work_size(int n_threads, const tensor *op, size_t &size) override {
-        size = AttentionWork(op).bytes(n_threads);
+    bool work_size(int /*n_threads*/, const tensor *op, size_t &size) override {
+        size = AttentionWork(op).bytes();
         return true;
     }
 
     bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
 #ifdef BUTTER_X86
-        if (params->wsize < AttentionWork(op).bytes(params->nth)) {
+        if (params->wsize < AttentionWork(op).bytes()) {
             return false; /* planned under the other setting: llama.cpp computes it */
         }
         attend(params, op);
