@@ -393,46 +393,62 @@ AVX2_TARGET static void quantize_rows(const float *x, int64_t rows, int64_t n_em
     }
 }
 
-VNNI_TARGET static void project_pass(const butter_lmhead *s, int R, const uint8_t *xq,
-                                     const float *xd, float *out) {
+/* Rows of one sweep over the matrix: each tile (16 vocabulary rows, in L1) serves all of
+ * them, in passes of ROWS_PER_PASS, before the next tile is read. A sweep per 8 rows would
+ * read the whole matrix from memory again for every 8 rows of a drafted step. */
+#define SWEEP_ROWS 64
+
+/* The logits of `rows` (at most SWEEP_ROWS) activation rows, Q8_0 tiles, VNNI. */
+VNNI_TARGET static void sweep(const butter_lmhead *s, int64_t rows, const uint8_t *xq,
+                              const float *xd, float *out) {
+    const int64_t nb = s->n_embd / QK;
     const int64_t stride = s->n_tiles * LANES;
     #pragma omp parallel for schedule(static) num_threads(s->n_threads)
     for (int64_t t = 0; t < s->n_tiles; t++) {
-        q8_tile_pass(s->wq, s->wd, s->wsum, s->n_embd / QK, t, R, xq, xd, out + t * LANES,
-                     stride, LANES);
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
+            const int R = (int)(rows - r0 < ROWS_PER_PASS ? rows - r0 : ROWS_PER_PASS);
+            q8_tile_pass(s->wq, s->wd, s->wsum, nb, t, R, xq + r0 * s->n_embd, xd + r0 * nb,
+                         out + r0 * stride + t * LANES, stride, LANES);
+        }
     }
 }
 
-VNNI_BW_TARGET static void project_pass_q6(const butter_lmhead *s, int R, const uint8_t *xk,
-                                           float *out) {
+/* The same with the AVX2 kernel (q8_tile_pass_avx2 takes any number of rows). */
+AVX2_TARGET static void sweep_avx2(const butter_lmhead *s, int64_t rows, const uint8_t *xq,
+                                   const float *xd, float *out) {
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        q8_tile_pass_avx2(s->wq, s->wd, s->n_embd / QK, t, (int)rows, xq, xd, out + t * LANES,
+                          stride, LANES);
+    }
+}
+
+/* The same over Q6_K tiles (activations as Q8_K rows of `row_bytes`), VNNI. */
+VNNI_BW_TARGET static void sweep_q6(const butter_lmhead *s, int64_t rows, const uint8_t *xk,
+                                    float *out) {
+    const int64_t nbk = s->n_embd / QK_K;
+    const int64_t row_bytes = nbk * Q8_K_BLOCK_BYTES;
+    const int64_t stride = s->n_tiles * LANES;
+    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
+    for (int64_t t = 0; t < s->n_tiles; t++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
+            const int R = (int)(rows - r0 < ROWS_PER_PASS ? rows - r0 : ROWS_PER_PASS);
+            q6_tile_pass(s->w6, nbk, t, R, xk + r0 * row_bytes, row_bytes,
+                         out + r0 * stride + t * LANES, stride, LANES);
+        }
+    }
+}
+
+/* The same with the AVX2 kernel. */
+AVX2_TARGET static void sweep_q6_avx2(const butter_lmhead *s, int64_t rows, const uint8_t *xk,
+                                      float *out) {
     const int64_t nbk = s->n_embd / QK_K;
     const int64_t stride = s->n_tiles * LANES;
     #pragma omp parallel for schedule(static) num_threads(s->n_threads)
     for (int64_t t = 0; t < s->n_tiles; t++) {
-        q6_tile_pass(s->w6, nbk, t, R, xk, nbk * Q8_K_BLOCK_BYTES, out + t * LANES, stride,
-                     LANES);
-    }
-}
-
-AVX2_TARGET static void project_pass_q6_avx2(const butter_lmhead *s, int R, const uint8_t *xk,
-                                             float *out) {
-    const int64_t nbk = s->n_embd / QK_K;
-    const int64_t stride = s->n_tiles * LANES;
-    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
-    for (int64_t t = 0; t < s->n_tiles; t++) {
-        q6_tile_pass_avx2(s->w6, nbk, t, R, xk, nbk * Q8_K_BLOCK_BYTES, out + t * LANES, stride,
-                          LANES);
-    }
-}
-
-/* The AVX2 kernel: the same tiles (q8_tile_pass_avx2). */
-AVX2_TARGET static void project_pass_avx2(const butter_lmhead *s, int R, const uint8_t *xq,
-                                          const float *xd, float *out) {
-    const int64_t stride = s->n_tiles * LANES;
-    #pragma omp parallel for schedule(static) num_threads(s->n_threads)
-    for (int64_t t = 0; t < s->n_tiles; t++) {
-        q8_tile_pass_avx2(s->wq, s->wd, s->n_embd / QK, t, R, xq, xd, out + t * LANES, stride,
-                          LANES);
+        q6_tile_pass_avx2(s->w6, nbk, t, (int)rows, xk, nbk * Q8_K_BLOCK_BYTES, out + t * LANES,
+                          stride, LANES);
     }
 }
 
@@ -444,35 +460,34 @@ static void project_rows(butter_lmhead *s, const float *x, int64_t rows, int64_t
 #ifdef BUTTER_X86
     const int64_t nb = blocks_per_row(s);
     const int64_t stride = out_stride(s);
+    const bool vnni = s->isa == ISA_AVX512_VNNI;
     if (s->w6 != NULL) {
         const int64_t row_bytes = s->n_embd / QK_K * Q8_K_BLOCK_BYTES;
         uint8_t *xk = s->xk + first * row_bytes;
         for (int64_t r = 0; r < rows; r++) {
             s->quantize_q8_k(x + r * s->n_embd, xk + r * row_bytes, s->n_embd);
         }
-        for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
-            const int64_t left = rows - r0;
-            const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
-            if (s->isa == ISA_AVX512_VNNI) {
-                project_pass_q6(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+        for (int64_t r0 = 0; r0 < rows; r0 += SWEEP_ROWS) {
+            const int64_t n = rows - r0 < SWEEP_ROWS ? rows - r0 : SWEEP_ROWS;
+            float *out = s->out + (first + r0) * stride;
+            if (vnni) {
+                sweep_q6(s, n, xk + r0 * row_bytes, out);
             } else {
-                project_pass_q6_avx2(s, R, xk + r0 * row_bytes, s->out + (first + r0) * stride);
+                sweep_q6_avx2(s, n, xk + r0 * row_bytes, out);
             }
         }
         return;
     }
     uint8_t *xq = s->xq + first * s->n_embd;
     float *xd = s->xd + first * nb;
-    float *out = s->out + first * stride;
-    const bool vnni = s->isa == ISA_AVX512_VNNI;
     quantize_rows(x, rows, s->n_embd, vnni ? 128 : 0, xq, xd);
-    for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
-        const int64_t left = rows - r0;
-        const int R = (int)(left < ROWS_PER_PASS ? left : ROWS_PER_PASS);
+    for (int64_t r0 = 0; r0 < rows; r0 += SWEEP_ROWS) {
+        const int64_t n = rows - r0 < SWEEP_ROWS ? rows - r0 : SWEEP_ROWS;
+        float *out = s->out + (first + r0) * stride;
         if (vnni) {
-            project_pass(s, R, xq + r0 * s->n_embd, xd + r0 * nb, out + r0 * stride);
+            sweep(s, n, xq + r0 * s->n_embd, xd + r0 * nb, out);
         } else {
-            project_pass_avx2(s, R, xq + r0 * s->n_embd, xd + r0 * nb, out + r0 * stride);
+            sweep_avx2(s, n, xq + r0 * s->n_embd, xd + r0 * nb, out);
         }
     }
 #else
