@@ -68,6 +68,14 @@ def token_data_array(candidates: Any) -> Any:
     )
 
 
+def greedy_choice(logits: Any) -> int:
+    """llama.cpp's greedy sampler's pick, without building its 262k candidates: the first
+    of the largest logits (numpy's argmax), or -1 where a NaN makes the two disagree
+    (numpy stops at the first NaN; llama.cpp's comparisons skip them)."""
+    token = int(np.argmax(logits))
+    return -1 if np.isnan(logits[token]) else token
+
+
 class Samplers:
     """Each sequence's chain and grammar, and sampling the rows of the last decode."""
 
@@ -78,6 +86,7 @@ class Samplers:
         self._matchers: dict[int, Any] = {}  # llguidance's, for constrained requests
         self._unusable: dict[int, str] = {}  # sequences whose constraint failed to compile
         self._logprobs: dict[int, int] = {}  # seq -> alternatives, for requests that ask
+        self._argmax: set[int] = set()  # sequences whose whole chain is llama.cpp's greedy
         self._vocab_ids = np.arange(model.info.n_vocab, dtype=np.int32)
         self._candidates = np.zeros(model.info.n_vocab, dtype=TOKEN_DATA)
 
@@ -85,6 +94,8 @@ class Samplers:
         """A new request on `seq`: a fresh chain (and grammar) in its start state."""
         self._drop(seq)
         self._chains[seq] = sampler_chain(params, self._model.info.n_vocab)
+        if params.greedy and not params.logit_bias and not params.uses_penalties:
+            self._argmax.add(seq)
         if params.logprobs is not None:
             self._logprobs[seq] = params.logprobs
         if params.grammar is None:
@@ -97,6 +108,7 @@ class Samplers:
     def _drop(self, seq: int) -> None:
         self._unusable.pop(seq, None)
         self._logprobs.pop(seq, None)
+        self._argmax.discard(seq)
         self._matchers.pop(seq, None)
         chain = self._chains.pop(seq, None)
         if chain is not None:
@@ -151,11 +163,13 @@ class Samplers:
     def _sample_plain_rows_together(
         self, rows: list[tuple[int, int, int]], *, ours: bool,
     ) -> dict[int, int]:
-        """Rows without a grammar, their chains run side by side on the model's threads
-        (butter's native sampler); {} when there is one such row or no native sampler."""
+        """Rows without a grammar or a plain greedy chain, their chains run side by side on
+        the model's threads (butter's native sampler); {} when there is one such row or no
+        native sampler."""
         head = self._model.lm_head
         plain = [(seq, row, ordinal) for seq, row, ordinal in rows
-                 if seq not in self._matchers and seq not in self._unusable]
+                 if seq not in self._matchers and seq not in self._unusable
+                 and seq not in self._argmax]
         if head is None or len(plain) <= 1:
             return {}
         assert len({seq for seq, _, _ in plain}) == len(plain)  # one row per chain
@@ -182,6 +196,10 @@ class Samplers:
             if logits is None:
                 logits = self._model.llama_logits(row)
             return self._sample_with_grammar(seq, logits)
+        if seq in self._argmax:
+            token = greedy_choice(logits if logits is not None else self._model.llama_logits(row))
+            if token >= 0:  # (its chain has nothing to accept: no state to advance)
+                return self._sampled(seq, token)
         if logits is None:
             token = int(ll.llama_sampler_sample(self._chains[seq], self._model.ctx, row))
         else:  # what llama_sampler_sample does, on butter's logits
