@@ -263,7 +263,7 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
     }
 }
 
-/* q6_tile_pass with the AVX2 kernel, for any R from 1 to 8. */
+/* q6_tile_pass with the AVX2 kernel, for any R >= 1 (in runs of AVX2_ROWS rows). */
 AVX2_TARGET static inline void q6_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
                                                  const uint8_t *x, int64_t x_stride, float *out,
                                                  int64_t out_stride, int lanes) {

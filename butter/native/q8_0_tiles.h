@@ -213,9 +213,9 @@ q8_half_rows_avx2(const int8_t *wq, const uint16_t *wd, int64_t nb, int64_t t, i
     }
 }
 
-/* Tile t's outputs for R (1..8) activation rows, like q8_tile_pass, with the AVX2 kernel:
- * the rows quantized with offset 0. A tile's weights (16 x n bytes) stay in L1 across the
- * passes. */
+/* Tile t's outputs for R (any number) activation rows, like q8_tile_pass, with the AVX2
+ * kernel: the rows quantized with offset 0, in passes of AVX2_ROWS. A tile's weights
+ * (16 x n bytes) stay in L1 across the passes. */
 AVX2_TARGET static inline void q8_tile_pass_avx2(const int8_t *wq, const uint16_t *wd, int64_t nb,
                                                  int64_t t, int R, const uint8_t *xq,
                                                  const float *xd, float *out, int64_t out_stride,
