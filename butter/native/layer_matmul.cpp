@@ -69,8 +69,9 @@
 #include "q6_k_tiles.h"
 #include "q8_0_tiles.h"
 #include "decode_attention.h"
+#include "prompt_attention.h"
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 10
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 11
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -608,6 +609,9 @@ Traits traits;
  * row the same way whatever the step holds; anything else stays with llama.cpp. Turned on
  * and off between graph computations (a graph is planned and computed under one setting). */
 std::atomic<bool> decode_attention{false};
+/* Prompt attention (prompt_attention.h): with `prompt_attention` on, one of ATTENTION_MAX_ROWS
+ * query rows or more, each row's bits those decode_attention.h gives it alone. */
+std::atomic<bool> prompt_attention{false};
 std::atomic<int64_t> attentions{0}, attention_rows{0}, probe_attentions{0};
 
 bool is_f16_or_f32(const tensor *t) {
@@ -616,7 +620,8 @@ bool is_f16_or_f32(const tensor *t) {
 
 size_t element_bytes(const tensor *t) { return t->type == ggml_mirror::TYPE_F16 ? 2 : 4; }
 
-/* Whether butter computes this op: shapes and types decode_attention.h handles. */
+/* Whether butter can compute this op (any row count): shapes and types decode_attention.h
+ * and prompt_attention.h handle. */
 bool takes_attention(const tensor *op) {
     if (op->op != ggml_mirror::OP_FLASH_ATTN_EXT || kernel_isa == ISA_NONE) {
         return false;
@@ -628,7 +633,7 @@ bool takes_attention(const tensor *op) {
         return false;
     }
     const int64_t dk = k->ne[0], dv = v->ne[0];
-    return q->ne[1] < ATTENTION_MAX_ROWS && dk % 8 == 0 && dv % 8 == 0 && q->ne[0] == dk &&
+    return dk % 8 == 0 && dv % 8 == 0 && q->ne[0] == dk &&
            k->ne[2] > 0 && q->ne[2] % k->ne[2] == 0 && v->ne[2] == k->ne[2] &&
            v->ne[1] == k->ne[1] && q->ne[3] == k->ne[3] && v->ne[3] == k->ne[3] &&
            q->nb[0] == sizeof(float) && k->nb[0] == element_bytes(k) &&
@@ -820,11 +825,71 @@ class DecodeAttention : public ggml_mirror::tensor_traits {
 
 DecodeAttention decode_attention_traits;
 
-ggml_mirror::tensor_traits *attention_path(const tensor *op) {
-    if (decode_attention.load(std::memory_order_relaxed) && takes_attention(op)) {
-        return &decode_attention_traits;
+/* The bytes a prompt attention's threads work in: each its own PromptScratch. */
+size_t prompt_work_bytes(const tensor *op, int n_threads) {
+    const AttentionView a = attention_view(op);
+    return (size_t)n_threads * PromptScratch::bytes(a, PromptPlan(a), ALIGN) + ALIGN;
+}
+
+#ifdef BUTTER_X86
+
+/* Each thread takes every nth tile (of every stream): a tile is one thread's from start to
+ * end, so the op needs no barrier. */
+void attend_prompt(ggml_mirror::compute_params *params, tensor *op) {
+    const AttentionView a = attention_view(op);
+    const PromptPlan plan(a);
+    char *base = (char *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
+    const PromptScratch scratch(base + (size_t)params->ith * PromptScratch::bytes(a, plan, ALIGN),
+                                a, plan, ALIGN);
+    for (int64_t t = params->ith; t < a.seqs * plan.tiles; t += params->nth) {
+        prompt_tile(a, plan, scratch, t / plan.tiles, t % plan.tiles);
     }
-    return nullptr;
+    if (params->ith == 0) {
+        if (probing.load()) {
+            probe_attentions.fetch_add(1, std::memory_order_relaxed);
+        } else {
+            attentions.fetch_add(1, std::memory_order_relaxed);
+            attention_rows.fetch_add(a.seqs * a.rows, std::memory_order_relaxed);
+        }
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+class PromptAttention : public ggml_mirror::tensor_traits {
+    bool work_size(int n_threads, const tensor *op, size_t &size) override {
+        size = prompt_work_bytes(op, n_threads);
+        return true;
+    }
+
+    bool compute_forward(ggml_mirror::compute_params *params, tensor *op) override {
+#ifdef BUTTER_X86
+        if (params->wsize < prompt_work_bytes(op, params->nth)) {
+            return false; /* planned under the other setting: llama.cpp computes it */
+        }
+        attend_prompt(params, op);
+        return true;
+#else
+        (void)params, (void)op;
+        return false;
+#endif
+    }
+};
+
+PromptAttention prompt_attention_traits;
+
+ggml_mirror::tensor_traits *attention_path(const tensor *op) {
+    if (!takes_attention(op)) {
+        return nullptr;
+    }
+    const tensor *q = op->src[0], *k = op->src[1];
+    if (q->ne[1] < ATTENTION_MAX_ROWS) {
+        return decode_attention.load(std::memory_order_relaxed) ? &decode_attention_traits
+                                                                : nullptr;
+    }
+    const bool fits = q->ne[2] / k->ne[2] <= PROMPT_TILE_PAIRS; /* a tile's pairs: on the stack */
+    return fits && prompt_attention.load(std::memory_order_relaxed) ? &prompt_attention_traits
+                                                                    : nullptr;
 }
 
 class TileBufferType : public ggml_mirror::extra_buffer_type {
@@ -1243,6 +1308,13 @@ int32_t butter_layer_matmul_decode_attention(int32_t on) {
     return BUTTER_OK;
 }
 
+/* Whether butter computes the prompt steps' attention (prompt_attention.h), from the next
+ * graph on. */
+int32_t butter_layer_matmul_prompt_attention(int32_t on) {
+    prompt_attention.store(on != 0);
+    return BUTTER_OK;
+}
+
 /* The types whose new weights may be stored here from now on (TYPE_BIT_*). */
 int32_t butter_layer_matmul_enable_types(int32_t types) {
     enabled_types.store(types);
@@ -1387,14 +1459,16 @@ int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows, int64_
         return BUTTER_E_STATE;
     }
     ggml.build_forward_expand(graph, y);
-    const bool was_on = decode_attention.load();
+    const bool was_on = decode_attention.load(), prompts_were_on = prompt_attention.load();
     decode_attention.store(butter != 0);
+    prompt_attention.store(butter != 0);
     probing.store(true);
     const int64_t ran_before = probe_attentions.load();
     const int status = ggml.graph_compute_with_ctx(compute.ctx, graph, threads);
     *ran = probe_attentions.load() > ran_before ? 1 : 0;
     probing.store(false);
     decode_attention.store(was_on);
+    prompt_attention.store(prompts_were_on);
     if (status != ggml_mirror::STATUS_SUCCESS) {
         return BUTTER_E_STATE;
     }

@@ -170,13 +170,15 @@ class LlamaCppBackend:
         return EXACT_BATCH_ROWS - 1, None
 
     def _choose_decode_attention(self) -> tuple[bool, str]:
-        """Who computes decode steps' attention: butter (layer_matmul.LayerMatmul
-        .decode_attention), each row over the cells it sees with fixed-point sums, so that a
-        decode row verified beside drafts or beside other requests is bit for bit the lone
-        row it stands for at any context length, wherever its cells lie in the cache; or
-        llama.cpp, which from 512 cells on splits a one-row step's cells among its threads
-        and sums them in the order they lie in. Returns whether butter does, and who, in
-        words."""
+        """Who computes the attention: butter (layer_matmul.LayerMatmul.decode_attention and
+        .prompt_attention), each row, decode or prompt, over the cells it sees with
+        fixed-point sums, so that a decode row verified beside drafts or beside other
+        requests is bit for bit the lone row it stands for at any context length, and a
+        prompt's rows the same in any chunk and beside any other prompts, wherever their
+        cells lie in the cache; or llama.cpp, which from 512 cells on splits a one-row
+        step's cells among its threads, sums a prompt tile's cells in blocks of the places
+        they lie in, and sums in the order cells lie in. Returns whether butter does, and
+        who, in words."""
         try:
             kernels = layer_matmul.registered()
         except Unavailable as exc:
@@ -185,7 +187,7 @@ class LlamaCppBackend:
             return False, kernels.attention
         if self.model.kv_type.quantized:  # (llama.cpp then computes every row alone)
             return False, f"llama.cpp (a {self.model.kv_type.name} cache: row by row)"
-        return True, "butter (each row over the cells it sees, in fixed point)"
+        return True, "butter (every row, decode and prompt, over the cells it sees, in fixed point)"
 
     @property
     def kv_bytes_per_token(self) -> float:

@@ -54,7 +54,7 @@ T = TypeVar("T")
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 10
+ABI_VERSION = 11
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
@@ -65,6 +65,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_register": (_I32, [_P, _I32, _I32]),
     "butter_layer_matmul_enable_types": (_I32, [_I32]),
     "butter_layer_matmul_decode_attention": (_I32, [_I32]),
+    "butter_layer_matmul_prompt_attention": (_I32, [_I32]),
     "butter_layer_matmul_attention_probe": (
         _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
     "butter_layer_matmul_self_check": (
@@ -157,6 +158,14 @@ class LayerMatmul:
         stands for: docs/architecture.md, "Speculative decoding"). Takes effect from the next
         step; change it only between steps."""
         self._lib.butter_layer_matmul_decode_attention(int(on))
+
+    def prompt_attention(self, on: bool) -> None:
+        """Whether butter computes the attention of steps of 64 query rows or more too
+        (butter/native/prompt_attention.h): tiles of rows sharing each key's load, each row's
+        bits those decode_attention gives it alone, so that a prompt's result does not
+        depend on the prompts prefilled beside it, the chunk it fell in, or where its cells
+        lie. Takes effect from the next step; change it only between steps."""
+        self._lib.butter_layer_matmul_prompt_attention(int(on))
 
     def attention_probe(self, *, butter: bool, rows: int, cells: int, heads: int,
                         kv_heads: int, dim: int, threads: int, seed: int,
@@ -392,8 +401,9 @@ def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
     return verdicts
 
 
-# The attention probes: a lone row and a step of 12 rows, 9 query heads sharing 3 KV heads
-# of 64 (SmolLM2's shape) over 700 cells (two whole chunks and part of a third), on 2 threads.
+# The attention probes: a lone row, a decode step of 12 rows and a prompt step of 70
+# (prompt_attention.h's tiles), 9 query heads sharing 3 KV heads of 64 (SmolLM2's shape) over
+# 700 cells (two whole chunks and part of a third), on 2 threads.
 ATTENTION_PROBE = {"cells": 700, "heads": 9, "kv_heads": 3, "dim": 64, "threads": 2, "seed": 5}
 # llama.cpp rounds the query and its value sums to f16: butter's f32 sums differ by that.
 ATTENTION_TOLERANCE = 2e-3
@@ -405,7 +415,7 @@ def _checked_attention(kernels: LayerMatmul) -> str:
     try:
         by_rows = {rows: (kernels.attention_probe(butter=True, rows=rows, **ATTENTION_PROBE),
                           kernels.attention_probe(butter=False, rows=rows, **ATTENTION_PROBE))
-                   for rows in (1, 12)}
+                   for rows in (1, 12, 70)}
     except (Unavailable, ValueError) as exc:
         return f"llama.cpp ({exc})"
     for rows, (ours, theirs) in by_rows.items():
@@ -413,7 +423,7 @@ def _checked_attention(kernels: LayerMatmul) -> str:
         if not worst <= ATTENTION_TOLERANCE:  # (a NaN fails too)
             return f"llama.cpp (butter's differs from llama.cpp's by {worst:.3g} at {rows} rows)"
     width = ATTENTION_PROBE["heads"] * ATTENTION_PROBE["dim"]
-    if by_rows[1][0] != by_rows[12][0][:width]:
+    if not by_rows[1][0] == by_rows[12][0][:width] == by_rows[70][0][:width]:
         return "llama.cpp (butter's lone row differs from the same row in a bigger step)"
     return "butter"
 
@@ -447,6 +457,7 @@ def _register() -> LayerMatmul:
     registered = LayerMatmul(lib, isa, _on_a_passing_thread(_self_checked_types, lib, isa))
     registered.attention = _on_a_passing_thread(_checked_attention, registered)
     registered.decode_attention(registered.attention == "butter")
+    registered.prompt_attention(registered.attention == "butter")
     return registered
 
 
