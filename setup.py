@@ -29,7 +29,8 @@ setup(
         Extension(
             "butter.backends._layer_matmul",
             sources=["butter/native/layer_matmul.cpp"],
-            depends=[*TILE_HEADERS, "butter/native/decode_attention.h"],
+            depends=[*TILE_HEADERS, "butter/native/decode_attention.h",
+                     "butter/native/prompt_attention.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
             optional=True,
