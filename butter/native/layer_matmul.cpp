@@ -825,24 +825,34 @@ class DecodeAttention : public ggml_mirror::tensor_traits {
 
 DecodeAttention decode_attention_traits;
 
-/* The bytes a prompt attention's threads work in: each its own PromptScratch. */
+/* The bytes a prompt attention's threads work in: the next tile to take, then each
+ * thread's own PromptScratch. */
 size_t prompt_work_bytes(const tensor *op, int n_threads) {
     const AttentionView a = attention_view(op);
-    return (size_t)n_threads * PromptScratch::bytes(a, PromptPlan(a), ALIGN) + ALIGN;
+    return ALIGN + (size_t)n_threads * PromptScratch::bytes(a, PromptPlan(a), ALIGN) + ALIGN;
 }
 
 #ifdef BUTTER_X86
 
-/* Each thread takes every nth tile (of every stream): a tile is one thread's from start to
- * end, so the op needs no barrier. */
+/* The threads take tiles (of every stream) one at a time, the last rows' first (a causal
+ * prompt's later rows see more cells), until none is left: a tile is one thread's from
+ * start to end, so which thread took it changes no bit. */
 void attend_prompt(ggml_mirror::compute_params *params, tensor *op) {
     const AttentionView a = attention_view(op);
     const PromptPlan plan(a);
     char *base = (char *)(((uintptr_t)params->wdata + ALIGN - 1) / ALIGN * ALIGN);
-    const PromptScratch scratch(base + (size_t)params->ith * PromptScratch::bytes(a, plan, ALIGN),
-                                a, plan, ALIGN);
-    for (int64_t t = params->ith; t < a.seqs * plan.tiles; t += params->nth) {
-        prompt_tile(a, plan, scratch, t / plan.tiles, t % plan.tiles);
+    int64_t *taken = (int64_t *)base;
+    const PromptScratch scratch(
+        base + ALIGN + (size_t)params->ith * PromptScratch::bytes(a, plan, ALIGN), a, plan, ALIGN);
+    if (params->ith == 0) {
+        __atomic_store_n(taken, 0, __ATOMIC_RELAXED);
+    }
+    barrier(params);
+    const int64_t tasks = a.seqs * plan.tiles;
+    for (int64_t t = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED); t < tasks;
+         t = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED)) {
+        const int64_t last_first = tasks - 1 - t;
+        prompt_tile(a, plan, scratch, last_first / plan.tiles, last_first % plan.tiles);
     }
     if (params->ith == 0) {
         if (probing.load()) {

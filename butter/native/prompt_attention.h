@@ -160,8 +160,8 @@ AVX2_TARGET static inline void prompt_dots4(const float *const *q, const char *c
  * per pair, its row's mask values at the cells times its head's slope); each pair's running
  * largest in `best`. */
 template <int R>
-AVX2_TARGET static inline void prompt_scores8(const AttentionView &a, const float *const *q,
-                                              const char *const *keys,
+AVX2_TARGET static inline void prompt_scores8(const AttentionView &a, bool capped,
+                                              const float *const *q, const char *const *keys,
                                               const __m256 *const *biases, float *const *out,
                                               __m256 *best) {
     __m256 acc[R][8];
@@ -169,7 +169,7 @@ AVX2_TARGET static inline void prompt_scores8(const AttentionView &a, const floa
     prompt_dots4<R>(q, keys + 4, a.dk, a.k_f16, acc, 4);
     for (int r = 0; r < R; r++) {
         __m256 s = _mm256_mul_ps(attention_hsum8(acc[r]), _mm256_set1_ps(a.scale));
-        if (a.softcap != 0.0f) { /* (Gemma 2's: rare, so scalar) */
+        if (capped) { /* (Gemma 2's: rare, so scalar) */
             float capped[8];
             _mm256_storeu_ps(capped, s);
             for (float &x : capped) {
@@ -204,7 +204,10 @@ KEEP_IN_REGISTERS AVX2_TARGET static void prompt_tile_scores(
     float slopes[PROMPT_TILE_PAIRS];
     __m256 best[PROMPT_TILE_PAIRS], largest[PROMPT_TILE_PAIRS];
     const bool alibi = a.max_bias > 0.0f; /* (else every slope is 1: x 1 changes nothing) */
+    const bool capped = a.softcap != 0.0f;
+    int64_t row_of[PROMPT_TILE_PAIRS]; /* a pair's row in the tile */
     for (int64_t pair = 0; pair < pairs; pair++) {
+        row_of[pair] = pair / p.group;
         const int64_t row = first + pair / p.group, head = kv_head * p.group + pair % p.group;
         q[pair] = (const float *)(a.q + row * a.q_row + head * a.q_head + seq * a.q_seq);
         slopes[pair] = attention_slope(a, head);
@@ -224,6 +227,8 @@ KEEP_IN_REGISTERS AVX2_TARGET static void prompt_tile_scores(
             keys[i] = k + s.cells[c + i] * a.k_cell; /* (the list is padded to 8) */
         }
         const __m256 cell_ranges = _mm256_loadu_ps(s.ranges + c);
+        const int32_t *at = s.cells + c;
+        const bool in_a_run = at[7] - at[0] == 7; /* (the usual case: cells listed in order) */
         for (int64_t r = 0; r < rows; r++) {
             if (a.mask == nullptr) {
                 row_masks[r] = _mm256_setzero_ps();
@@ -231,16 +236,18 @@ KEEP_IN_REGISTERS AVX2_TARGET static void prompt_tile_scores(
                 continue;
             }
             const uint16_t *mask = attention_mask_row(a, seq, first + r);
-            alignas(16) uint16_t at[8];
-            for (int i = 0; i < 8; i++) {
-                at[i] = mask[s.cells[c + i]];
-            }
-            row_masks[r] = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)at));
+            const __m128i values =
+                in_a_run ? _mm_loadu_si128((const __m128i *)(mask + at[0]))
+                         : _mm_setr_epi16((short)mask[at[0]], (short)mask[at[1]],
+                                          (short)mask[at[2]], (short)mask[at[3]],
+                                          (short)mask[at[4]], (short)mask[at[5]],
+                                          (short)mask[at[6]], (short)mask[at[7]]);
+            row_masks[r] = _mm256_cvtph_ps(values);
             const __m256 seen = _mm256_cmp_ps(row_masks[r], hidden, _CMP_NEQ_OQ);
             largest[r] = _mm256_max_ps(largest[r], _mm256_and_ps(seen, cell_ranges));
         }
         for (int64_t pair = 0; pair < pairs; pair++) {
-            const __m256 *row_mask = &row_masks[pair / p.group];
+            const __m256 *row_mask = &row_masks[row_of[pair]];
             if (alibi) { /* slope x mask value, as attention_scores multiplies it */
                 pair_biases[pair] = _mm256_mul_ps(_mm256_set1_ps(slopes[pair]), *row_mask);
                 row_mask = &pair_biases[pair];
@@ -250,11 +257,11 @@ KEEP_IN_REGISTERS AVX2_TARGET static void prompt_tile_scores(
         }
         int64_t pair = 0;
         for (; pair + PROMPT_PAIRS_AT_ONCE <= pairs; pair += PROMPT_PAIRS_AT_ONCE) {
-            prompt_scores8<PROMPT_PAIRS_AT_ONCE>(a, q + pair, keys, biases + pair, out + pair,
-                                                 best + pair);
+            prompt_scores8<PROMPT_PAIRS_AT_ONCE>(a, capped, q + pair, keys, biases + pair,
+                                                 out + pair, best + pair);
         }
         for (; pair < pairs; pair++) {
-            prompt_scores8<1>(a, q + pair, keys, biases + pair, out + pair, best + pair);
+            prompt_scores8<1>(a, capped, q + pair, keys, biases + pair, out + pair, best + pair);
         }
         if (c + 8 > n) { /* the padding's places: unseen (their lanes of `best` and
                           * `largest` repeat the last cell's, which changes no maximum) */
