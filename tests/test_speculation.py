@@ -514,6 +514,44 @@ def test_tool_call_markup_inside_a_draft_is_parsed_as_without() -> None:
     assert drafted["finish_reason"] in ("tool_calls", "stop", "length")
 
 
+SUBJECTS = ("a lighthouse keeper", "a lost kite", "a baker at dawn")
+
+
+def test_clients_arriving_together_get_the_texts_each_gets_alone() -> None:
+    # Four prompts at once are prefilled together (one step of more than 64 rows when they
+    # land together: butter's prompt attention) beside each other's decodes, the copy's
+    # drafted; each text must be the one the request gets alone on a fresh server without
+    # drafts.
+    asks = [f"Write a short story about {subject}." for subject in SUBJECTS]
+    bodies = [{"messages": [{"role": "user", "content": ask}], "max_tokens": 48}
+              for ask in [*asks, PROMPTS["copy"]]]
+    alone_server = start_instruct_server("--parallel", "1", "--draft-max", "0")
+    try:
+        alone = [answer(alone_server, body) for body in bodies]
+    finally:
+        alone_server.stop()
+    together_server = start_instruct_server("--parallel", "4")
+    try:
+        together: list[dict[str, Any] | None] = [None] * len(bodies)
+
+        async def ask(i: int) -> None:
+            together[i] = await trio.to_thread.run_sync(answer, together_server, bodies[i])
+
+        async def all_at_once() -> None:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(bodies)):
+                    nursery.start_soon(ask, i)
+
+        trio.run(all_at_once)
+        speculation = httpx.get(f"{together_server.api}/server", timeout=10).json()[
+            "speculation"]
+    finally:
+        together_server.stop()
+    assert together == alone
+    assert sum(a["completion_tokens"] for a in alone) > 120  # (texts, not empty answers)
+    assert speculation["accepted_tokens"] > 0  # (the copy's drafts were verified beside)
+
+
 def test_speculation_is_counted_in_the_metrics_and_off_where_asked() -> None:
     drafting = start_instruct_server("--parallel", "1")
     try:

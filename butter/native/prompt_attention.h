@@ -13,8 +13,10 @@
  * cell's score, its weight and its weighted values rounded to integer units), of the row's
  * largest score and largest |value|, and of integer sums, which add up to the same in any
  * order. Any schedule that computes each per-cell quantity with the same operations gives
- * the same bits. Here a task is a tile of consecutive query rows of one stream, on one
- * thread (no barriers): the cells any of its rows sees are listed once (the tile's union);
+ * the same bits. Here a task is a tile of consecutive query rows of one stream, all on the
+ * thread that takes it (layer_matmul.cpp's attend_prompt hands them out one at a time, so
+ * which thread took a tile changes nothing): the cells any of its rows sees are listed
+ * once (the tile's union);
  * for each KV head, the scores of every (row, query head) pair over the union are computed
  * with each key loaded and widened once for several pairs (decode_attention.h widens it
  * for each query head of each row), a cell the row does not see scoring -inf as its mask
