@@ -55,6 +55,7 @@ import datetime as dt
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import socket
@@ -814,13 +815,38 @@ def mem_total_gib() -> float | None:
     return None
 
 
+def llama_cpp_built_for() -> str | None:
+    """The instruction sets this Python's llama.cpp was built with (its system info): an
+    AVX2-only build stands in for the AVX2 class on any CPU. None without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info().decode()
+    return " ".join(re.findall(r"(AVX\w*|FMA|F16C) = 1", info)) or info
+
+
+def kernels_run_as() -> str:
+    """The class the measured code ran as, where that is not the CPU's own: butter's kernels
+    held to an ISA (BUTTER_KERNEL_ISA) and llama.cpp's build ("" when neither is set)."""
+    parts = []
+    if os.environ.get("BUTTER_KERNEL_ISA", "auto").strip().lower() not in ("", "auto"):
+        parts.append(f"butter's kernels BUTTER_KERNEL_ISA={os.environ['BUTTER_KERNEL_ISA']}")
+    built_for = llama_cpp_built_for()
+    if built_for is not None:
+        parts.append(f"llama-cpp-python built for {built_for}")
+    return "; ".join(parts)
+
+
 def machine_info() -> dict[str, Any]:
-    """nproc, CPU model and class (the instruction sets that choose kernels), memory, kernel."""
+    """nproc, CPU model and class (the instruction sets that choose kernels), what the
+    measured code was built for or held to (a stand-in for another class), memory, kernel."""
     return {
         "nproc": len(os.sched_getaffinity(0)),
         "cpu_count": os.cpu_count(),
         "cpu_model": cpu_model(),
         "cpu_class": this_cpu().label,
+        "run_as": kernels_run_as(),
         "mem_total_gib": mem_total_gib(),
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -861,6 +887,7 @@ def markdown_report(
         (
             f"- Machine: nproc {m['nproc']}, CPU {m.get('cpu_class', m['cpu_model'])}{mem}, "
             f"Linux {m['kernel']}; load average {m['loadavg_at_start'][0]:.2f} at start"
+            + (f"; run as: {m['run_as']}" if m.get("run_as") else "")
         ),
         f"- Repository commit: {meta['git_commit'] or 'none'}",
         f"- Model: `{cfg.model}`",

@@ -21,7 +21,6 @@ each and of its last chunk (the longest context)::
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import llama_cpp
+from compare import llama_cpp_built_for
 from speculation import source_file
 
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
@@ -38,13 +37,6 @@ from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.cpu import this_cpu
 from butter.models import resolve_model
 from butter.sampling import SamplingParams
-
-
-def built_for() -> str:
-    """The instruction sets llama.cpp's CPU backend was built with (its system info): an
-    AVX2-only build stands in for the AVX2 class on any CPU."""
-    info = llama_cpp.llama_print_system_info().decode()
-    return " ".join(re.findall(r"(AVX\w*|FMA|F16C) = 1", info)) or info
 
 
 def prefill(backend: LlamaCppBackend, prompt: list[int], chunk: int) -> tuple[float, float, int]:
@@ -84,7 +76,8 @@ def measure(model: str, files: int, chunk: int, rounds: int, threads: int) -> No
             return statistics.median(t[which] for t in times[butter])
 
         print(f"{model}: {len(prompt)} tokens (butter's kernels: {kernels.isa.value}; "
-              f"llama.cpp built for: {built_for()}) in chunks of {chunk}, {threads} threads, "
+              f"llama.cpp built for: {llama_cpp_built_for()}) in chunks of {chunk}, "
+              f"{threads} threads, "
               f"{rounds} rounds: butter's prompt attention {median(True, 0):.3f} s "
               f"(last chunk {median(True, 1):.3f} s), llama.cpp's {median(False, 0):.3f} s "
               f"({median(False, 1):.3f} s); butter's / llama.cpp's: "

@@ -309,7 +309,8 @@ def fmt(value: float | None, digits: int = 1) -> str:
 def report(results: Sequence[dict[str, Any]], meta: dict[str, Any]) -> str:
     machine = meta["machine"]
     lines = [f"Run {meta['date']}, commit {meta['git_commit']}, {machine.get('cpu_model')} "
-             f"({machine.get('cpu_class')}), {machine.get('nproc')} cores.", ""]
+             f"({machine.get('cpu_class')}), {machine.get('nproc')} cores"
+             + (f"; run as: {machine['run_as']}" if machine.get("run_as") else "") + ".", ""]
     for workload in WORKLOADS:
         rows = [r for r in results if r["workload"] == workload]
         if not rows:
