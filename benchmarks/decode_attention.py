@@ -16,6 +16,10 @@ speed drifts; alternating blocks sees both under the same drift). Prints the CPU
 per model, the median and 10th-percentile step time of each::
 
     python benchmarks/decode_attention.py MODEL.gguf [MODEL.gguf ...] --files 8 --streams 1
+
+``--others N`` first prefills another sequence (a cached conversation: the prefix cache keeps
+them) with N files, so the streams' cells lie after its cells and the step's attention view
+spans more cells than any stream sees.
 """
 
 from __future__ import annotations
@@ -39,24 +43,33 @@ from butter.sampling import SamplingParams
 GREEDY = SamplingParams(temperature=0.0)
 
 
+def prefill(backend: LlamaCppBackend, seq: int, prompt: list[int]) -> int:
+    """Prefill `prompt` into sequence `seq` in chunks of 512; the token it samples next."""
+    token = -1
+    backend.step([SetSampler(seq, GREEDY)], [])
+    for start in range(0, len(prompt), 512):
+        chunk = tuple(prompt[start:start + 512])
+        done = start + len(chunk) == len(prompt)
+        for sampled in backend.step([], [SeqWork(seq, chunk, start, sample=done, prompt=True)]):
+            token = sampled.token
+    return token
+
+
 def measure(path: Path, files: int, streams: int, steps: int, block: int,
-            threads: int) -> None:
+            threads: int, others: int) -> None:
     text = "\n\n".join(source_file(i) for i in range(files))
-    cells = streams * (len(text) // 2 + steps + 256)  # (more than a token per 2 characters)
-    backend = LlamaCppBackend(path, n_cells=cells, n_seq=streams, n_batch=512,
+    other_text = "\n\n".join(source_file(files + i) for i in range(others))
+    # (more than a token per 2 characters)
+    cells = streams * (len(text) // 2 + steps + 256) + len(other_text) // 2 + 256
+    backend = LlamaCppBackend(path, n_cells=cells, n_seq=streams + 1, n_batch=512,
                               threads=threads, repack=True)
     try:
         kernels = layer_matmul.registered()
         prompt = backend.tokenize(text, add_bos=True)
-        last: dict[int, int] = {}
-        for seq in range(streams):
-            backend.step([SetSampler(seq, GREEDY)], [])
-            for start in range(0, len(prompt), 512):
-                chunk = tuple(prompt[start:start + 512])
-                done = start + len(chunk) == len(prompt)
-                for sampled in backend.step([], [SeqWork(seq, chunk, start, sample=done,
-                                                         prompt=True)]):
-                    last[sampled.seq] = sampled.token
+        other = backend.tokenize(other_text, add_bos=True) if others else []
+        if other:
+            prefill(backend, streams, other)  # (first: its cells come before the streams')
+        last = {seq: prefill(backend, seq, prompt) for seq in range(streams)}
         position = len(prompt)
         times: dict[bool, list[float]] = {True: [], False: []}
         for step in range(steps):
@@ -77,7 +90,8 @@ def measure(path: Path, files: int, streams: int, steps: int, block: int,
 
         ours, theirs = (statistics.median(times[flag]) for flag in (True, False))
         print(f"{path.name}: {backend.model.query_heads} query heads, {threads} threads, "
-              f"{streams} stream(s) at {len(prompt)}-{position} cells: butter's attention "
+              f"{streams} stream(s) at {len(prompt)}-{position} cells after {len(other)} "
+              f"others: butter's attention "
               f"{summary(times[True])}; llama.cpp's {summary(times[False])} "
               f"(butter's / llama.cpp's median: {ours / theirs:.3f})", flush=True)
     finally:
@@ -92,10 +106,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--others", type=int, default=0,
+                        help="source files in another sequence prefilled first")
     args = parser.parse_args()
     print(f"CPU class: {this_cpu().as_dict()}", flush=True)
     for path in args.models:
-        measure(path, args.files, args.streams, args.steps, args.block, args.threads)
+        measure(path, args.files, args.streams, args.steps, args.block, args.threads,
+                args.others)
 
 
 if __name__ == "__main__":

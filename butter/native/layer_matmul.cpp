@@ -727,21 +727,30 @@ struct AttentionWork {
 #ifdef BUTTER_X86
 
 /* A run of a wave's tasks (row, chunk, KV head; KV heads of a chunk next to each other: a
- * cache stores a cell's heads side by side, so they share cache lines) in one phase. */
+ * cache stores a cell's heads side by side, so they share cache lines) in one phase. Only
+ * the chunks a row sees are tasks, shared evenly: the view spans every stream's cells (and
+ * cached prefixes'), so splitting all of its chunks would leave a thread whose share of the
+ * view no row sees with nothing to do. */
 template <typename Phase>
 void attention_tasks(const ggml_mirror::compute_params *params, const AttentionView &a,
                      const AttentionWork &work, int64_t first_row, int64_t wave_rows,
                      const int64_t *seen, const int32_t *cells, Phase phase) {
-    const int64_t tasks = wave_rows * work.chunks * a.kv_heads;
+    int64_t tasks = 0;
+    for (int64_t row = 0; row < wave_rows; row++) {
+        tasks += attention_chunks(seen[first_row + row]) * a.kv_heads;
+    }
     const int64_t first_task = tasks * params->ith / params->nth,
                   end_task = tasks * (params->ith + 1) / params->nth;
+    int64_t row = 0, row_first_task = 0; /* the row holding task t, and its first task */
     for (int64_t t = first_task; t < end_task; t++) {
-        const int64_t kv_head = t % a.kv_heads, c = t / a.kv_heads % work.chunks,
-                      row = t / a.kv_heads / work.chunks, r = first_row + row;
-        const int64_t first = c * ATTENTION_CHUNK;
-        if (first >= seen[r]) {
-            continue; /* this row has fewer chunks */
+        int64_t r = first_row + row;
+        while (t >= row_first_task + attention_chunks(seen[r]) * a.kv_heads) {
+            row_first_task += attention_chunks(seen[r]) * a.kv_heads;
+            r = first_row + ++row;
         }
+        const int64_t kv_head = (t - row_first_task) % a.kv_heads,
+                      c = (t - row_first_task) / a.kv_heads;
+        const int64_t first = c * ATTENTION_CHUNK;
         const int64_t n = seen[r] - first < ATTENTION_CHUNK ? seen[r] - first : ATTENTION_CHUNK;
         phase(r / a.rows, r % a.rows, row, kv_head, c, attention_chunks(seen[r]),
               cells + r * work.cells + first, n);
