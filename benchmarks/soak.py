@@ -317,7 +317,7 @@ def probe_client() -> httpx.AsyncClient:
 
 
 async def settled(http: httpx.AsyncClient, base: str, pid: int, limit: Sample | None,
-                  seconds: float) -> tuple[Sample, dict[str, int] | None]:
+                  seconds: float) -> tuple[Sample, dict[str, object] | None]:
     """The server's figures once it is idle: no work, and (given a baseline) FDs and threads
     back within their bounds; after `seconds` at most, whatever they are."""
     deadline = time.monotonic() + seconds
@@ -357,7 +357,7 @@ async def run(base: str, pid: int, seconds: float, concurrency: int, *, write_ti
     async with probe_client() as probe:
         model = (await probe.get(f"{base}/v1/models")).json()["data"][0]
         kv_pool_mib = float(model["meta"]["kv"]["pool_mib"])
-        baseline, _ = await settled(probe, base, pid, None, SETTLE_SECONDS)
+        baseline, engine_before = await settled(probe, base, pid, None, SETTLE_SECONDS)
         baseline_fds = fd_targets(pid)
     print(f"baseline after warm-up: {baseline}", flush=True)
     soak = Soak(base, seconds, seed=1, names=names)
@@ -396,6 +396,7 @@ async def run(base: str, pid: int, seconds: float, concurrency: int, *, write_ti
             "server_counters": counters(metrics),
             "transport_errors": soak.errors[:5], "transport_error_count": len(soak.errors),
             "latency_p95_s": p95, "kv_pool_mib": kv_pool_mib,
+            "host_cache_mib_before": host_cache_mib(engine_before),
             "baseline": attrs.asdict(baseline),
             "end": attrs.asdict(end), "peak": attrs.asdict(peak(samples)),
             "fds_not_in_baseline": extra_fds,
@@ -430,8 +431,8 @@ def peak(samples: list[Sample]) -> Sample:
 
 
 def host_cache_mib(engine: dict[str, object] | None) -> float:
-    """What the host tier of the prefix cache holds at the end: conversations saved off the
-    KV pool are memory the server keeps on purpose, up to its own budget, not a leak."""
+    """What the host tier of the prefix cache holds: conversations saved off the KV pool are
+    memory the server keeps on purpose, up to its own budget, not a leak."""
     host = engine.get("host") if engine is not None else None
     return float(host["bytes"]) / 2**20 if isinstance(host, dict) else 0.0
 
@@ -445,10 +446,12 @@ def verdicts(report: dict[str, object]) -> list[tuple[str, object, object, objec
     work = ("no model resident" if engine is None
             else f"{engine['active']} / {engine['queued']} / {engine['reserved_cells']}")
     pool = float(report["kv_pool_mib"])  # type: ignore[arg-type]
-    host = host_cache_mib(engine)
+    before = report["host_cache_mib_before"]
+    assert isinstance(before, float)
+    host = max(0.0, host_cache_mib(engine) - before)
     return [
         ("RSS (MiB)", base["rss_mib"], top["rss_mib"], end["rss_mib"],
-         f"+{RSS_BOUND_MIB:.0f} + KV pool {pool:.0f} + host cache {host:.0f}",
+         f"+{RSS_BOUND_MIB:.0f} + KV pool {pool:.0f} + host cache growth {host:.0f}",
          end["rss_mib"] - base["rss_mib"] <= RSS_BOUND_MIB + pool + host),
         ("open FDs", base["fds"], top["fds"], end["fds"], f"+{FD_BOUND}",
          end["fds"] - base["fds"] <= FD_BOUND),
