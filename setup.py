@@ -1,7 +1,8 @@
-"""butter's compiled parts: the output-projection kernel (butter/native/lmhead.c) and the
-layer matmuls and decode attention it plugs into llama.cpp (butter/native/layer_matmul.cpp).
+"""butter's compiled parts: the output-projection kernel (butter/native/lmhead.c), the
+layer matmuls and decode attention it plugs into llama.cpp (butter/native/layer_matmul.cpp),
+and where a step's threads run (butter/native/team.c).
 
-Everything else is in pyproject.toml. Both extensions are optional: where one cannot be
+Everything else is in pyproject.toml. The extensions are optional: where one cannot be
 built, butter installs without it and llama.cpp computes that part itself.
 """
 
@@ -33,6 +34,13 @@ setup(
                      "butter/native/prompt_attention.h"],
             extra_compile_args=["-O3", "-std=c++17"],
             language="c++",
+            optional=True,
+        ),
+        Extension(
+            "butter.backends._team",
+            sources=["butter/native/team.c"],
+            extra_compile_args=["-O2", *openmp],
+            extra_link_args=openmp,
             optional=True,
         ),
     ]

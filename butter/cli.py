@@ -90,7 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "every resident model whose vocabulary it shares); llama.cpp only "
                             "(default: none)")
     serve.add_argument("--threads", type=_positive, default=defaults.usable_cores(),
-                       help="llama.cpp threads (default: usable cores, %(default)s)")
+                       help="llama.cpp threads at most (default: the cores of the CPU "
+                            "affinity mask within the cgroup's CPU quota, %(default)s)")
+    serve.add_argument("--fit-threads", action=argparse.BooleanOptionalAction, default=True,
+                       help="llama.cpp: steps run on fewer threads while other programs "
+                            "take some of the cores, and on all of them again when the "
+                            "cores are free (docs/concurrency.md; default: on)")
     serve.add_argument("--step-shaping", action=argparse.BooleanOptionalAction, default=True,
                        help="llama.cpp: time alternative layouts of decode steps (pad output "
                             "rows to 8, or one decode per row) and keep the fastest "
@@ -208,6 +213,7 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         max_context=args.max_context, kv_pool=args.kv_pool, prefill_chunk=args.prefill_chunk,
         cache_ram_mib=max(0, args.cache_ram),
         decode_stall=max(0.0, args.decode_stall), threads=args.threads,
+        fit_threads=args.fit_threads,
         draft_max=max(0, args.draft_max), draft_model=args.draft_model,
         step_shaping=args.step_shaping, fast_lm_head=args.fast_lm_head,
         fast_layers=args.fast_layers,

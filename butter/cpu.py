@@ -10,8 +10,10 @@ kernels run, and the cores.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -63,11 +65,87 @@ def parse_cpuinfo(text: str, *, cores: int) -> CpuClass:
                     flags=tuple(flag for flag in KERNEL_FLAGS if flag in flags), cores=cores)
 
 
+def allowed_cpus() -> frozenset[int]:
+    """The CPU numbers this process may run on (its affinity mask; every CPU where the
+    platform has no masks)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no sched_getaffinity
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def cgroup_cpu_limit(cgroup_root: Path = Path("/sys/fs/cgroup"),
+                     membership: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPU quota of this process's cgroup and the groups above it, in cores (the
+    tightest), or None where none is set. A container started with `--cpus 2` runs on all
+    of the host's CPUs, but only two cores' worth of time: more threads than that are
+    throttled (stopped for the rest of each period), the way a busy machine stops them.
+    Reads cgroup v2 (`cpu.max`) and v1 (`cpu.cfs_quota_us` / `cpu.cfs_period_us`)."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":  # v2, unified
+            limits += _quotas(cgroup_root, path, _v2_quota)
+        elif "cpu" in controllers.split(","):
+            for mount in (cgroup_root / "cpu", cgroup_root / "cpu,cpuacct"):
+                if mount.is_dir():
+                    limits += _quotas(mount, path, _v1_quota)
+                    break
+    return min(limits, default=None)
+
+
+def _quotas(root: Path, path: str, quota_in: Callable[[Path], float | None]) -> list[float]:
+    """The quotas of `path`'s group and every group above it, under `root`."""
+    parts = [part for part in path.strip("/").split("/") if part]
+    found = []
+    for depth in range(len(parts), -1, -1):
+        quota = quota_in(root.joinpath(*parts[:depth]))
+        if quota is not None:
+            found.append(quota)
+    return found
+
+
+def _v2_quota(group: Path) -> float | None:
+    try:
+        quota, _, period = (group / "cpu.max").read_text().strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _v1_quota(group: Path) -> float | None:
+    try:
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        period = int((group / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
+
+
+
+def usable_cores(cpus: frozenset[int] | None = None, quota: float | None = None) -> int:
+    """How many threads this process can keep running at once: the CPUs of its affinity
+    mask, and no more than its cgroup quota's whole cores (at least one). Defaults: this
+    process's mask and quota."""
+    count = len(allowed_cpus() if cpus is None else cpus)
+    limit = cgroup_cpu_limit() if quota is None else quota
+    if limit is not None:
+        count = min(count, max(1, math.floor(limit + 1e-9)))
+    return max(1, count)
+
+
 @functools.cache
 def this_cpu() -> CpuClass:
     """This machine's class (from /proc/cpuinfo where there is one; read once: `/v1/server`
     asks on every poll)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = usable_cores()
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:

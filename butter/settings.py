@@ -6,6 +6,8 @@ import os
 
 import attrs
 
+from butter import cpu
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_PARALLEL = 1
@@ -87,11 +89,9 @@ def default_max_connections() -> int:
 
 
 def usable_cores() -> int:
-    """Cores this process may run on (affinity-aware, unlike os.cpu_count)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # macOS has no sched_getaffinity
-        return max(1, os.cpu_count() or 1)
+    """Cores this process may keep busy: its affinity mask, within its cgroup's CPU quota
+    (unlike os.cpu_count)."""
+    return cpu.usable_cores()
 
 
 @attrs.frozen
@@ -113,6 +113,8 @@ class ServeSettings:
     draft_max: int = DEFAULT_DRAFT_MAX  # speculative decoding's drafts per step; 0: off
     draft_model: str | None = None  # a GGUF with the same vocabulary that guesses drafts
     threads: int = attrs.field(factory=usable_cores)
+    # Fewer threads while other programs take cores (backends/team.py); else always `threads`.
+    fit_threads: bool = True
     step_shaping: bool = True  # lay out decode steps by measured cost (backends/shaping.py)
     fast_lm_head: bool = True  # butter's output projection where it applies (backends/lmhead.py)
     # butter's Q8_0, Q6_K, Q5_K, Q4_K, Q4_1 and Q5_0 layer matmuls inside llama.cpp where they apply

@@ -96,7 +96,8 @@ def demo_gguf() -> Path:
 class ServerProcess:
     """`butter serve` as a real process on 127.0.0.1, on a port the OS picks."""
 
-    def __init__(self, args: list[str]) -> None:
+    def __init__(self, args: list[str], *, cpus: set[int] | None = None) -> None:
+        """`cpus`: the CPU affinity mask the server starts with (default: this one's)."""
         # A short grace: hypercorn keeps idle keep-alive connections open until the grace
         # period ends, and test clients keep theirs.
         command = [sys.executable, "-m", "butter.cli", "serve", "--host", "127.0.0.1",
@@ -104,6 +105,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
         )
         self.output: list[str] = []
         self.base_url = self._wait_for_banner()

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import attrs
 
+from butter.backends.team import TeamStatus
 from butter.chat.request import Logprobs
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
@@ -261,6 +262,11 @@ class Backend(Protocol):
     def diagnostics(self) -> dict[str, Any]:
         """What /v1/server shows about this backend in the model's metadata (JSON values):
         `step_shapes` and `lm_head` (llama.cpp's, else None), plus the backend's own."""
+        ...
+
+    def team(self) -> TeamStatus | None:
+        """The threads a step computes on now, and what they saw of the machine (None
+        where the backend does not size its own team: MLX)."""
         ...
 
     def close(self) -> None:

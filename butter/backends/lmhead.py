@@ -48,7 +48,7 @@ _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
 # The signatures below, the status codes and the ISA numbers are what this module and
 # lmhead.c agree on; BUTTER_LMHEAD_ABI_VERSION there names them. Change both together.
-ABI_VERSION = 4
+ABI_VERSION = 5
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_lmhead_supported": (_I32, []),
     "butter_lmhead_state_size": (_SIZE, []),
@@ -58,6 +58,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_lmhead_pack_q6_k": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _P, _SIZE]),
     "butter_lmhead_set_scratch": (_I32, [_P, _P, _SIZE, _P, _SIZE, _P, _SIZE]),
     "butter_lmhead_arm": (_I32, [_P, _I32]),
+    "butter_lmhead_set_threads": (_I32, [_P, _I32]),
     "butter_lmhead_counters": (_I32, [_P, _P, _SIZE]),
     "butter_lmhead_project": (_I32, [_P, _P, _SIZE, _I64, _I64]),
     "butter_fill_candidates": (_I32, [_P, _SIZE, _I32, _P, _SIZE]),
@@ -281,7 +282,7 @@ class LmHead:
         # after a requantization to Q8_0.
         native_q6_k = ggml_type == Q6_K and isa != ISA_NONE and n_embd % QK_K == 0
         self.exact = ggml_type == Q8_0 or native_q6_k
-        self._threads = max(1, threads)
+        self._threads = self._most_threads = max(1, threads)
         self.rows_asked = max_rows
         self.state = _new_state(self._lib)
         status = self._lib.butter_lmhead_init(
@@ -307,6 +308,7 @@ class LmHead:
             self.state, *_buffer(self.out), *_buffer(self._xq), *_buffer(self._xd),
         ))
         self._set_ggml(ggml)
+        # (room for the most threads: the team may shrink and grow back, set_threads)
         self._sampling_scratch = np.zeros(self._threads * n_vocab * 3, dtype=np.int32)  # 12 B each
         self._counters = (ctypes.c_int64 * COUNTERS)()
 
@@ -398,6 +400,13 @@ class LmHead:
             self.state, *_buffer(hidden), len(hidden), 0
         ))
         return self.out[: len(hidden), : self.n_vocab].copy()
+
+    def set_threads(self, threads: int) -> None:
+        """Project and sample on `threads` threads from the next step on (at most the
+        count it was set up with)."""
+        threads = max(1, min(threads, self._most_threads))
+        check("butter_lmhead_set_threads", self._lib.butter_lmhead_set_threads(self.state, threads))
+        self._threads = threads
 
     def fill_candidates(self, logits: npt.NDArray[np.float32], candidates: Any) -> None:
         """llama.cpp sampler input {id, logit, p=0} for every token, written in C."""

@@ -40,6 +40,7 @@ from butter.backends.base import (
     ShiftPositions,
     StepResult,
 )
+from butter.backends.team import TeamStatus
 from butter.chat.request import Logprobs
 from butter.engine.admission import Admission, Ticket
 from butter.engine.cells import CellLedger
@@ -325,6 +326,8 @@ class EngineStats:
     accepted_tokens: int = 0
     draft_steps: int = 0
     acceptance: tuple[tuple[int, float], ...] = ()
+    # The threads steps compute on, and what they see of the machine (None: MLX).
+    threads: TeamStatus | None = None
 
 
 class EngineStopped(Exception):
@@ -473,6 +476,7 @@ class Engine:
             acceptance=tuple(
                 (s.seq, round(s.generation.acceptance.rate, 3)) for s in self._sessions
                 if s.generation is not None and s.generation.lookup is not None),
+            threads=self.backend.team(),
             **self._totals,
         )
 

@@ -53,7 +53,7 @@
 
 /* Bump with any change to an exported signature, status code, ISA number or the order of
  * butter_lmhead_counters. */
-#define BUTTER_LMHEAD_ABI_VERSION 4
+#define BUTTER_LMHEAD_ABI_VERSION 5
 
 /* Status codes of the exported functions. */
 #define BUTTER_OK 0
@@ -217,6 +217,19 @@ int32_t butter_lmhead_set_scratch(butter_lmhead *s, float *out, size_t out_bytes
     s->out = out;
     s->xq = xq;
     s->xd = xd;
+    return BUTTER_OK;
+}
+
+/* The threads the next projections run on (the backend's team shrinks on a busy machine:
+ * butter/backends/team.py). */
+int32_t butter_lmhead_set_threads(butter_lmhead *s, int32_t n_threads) {
+    if (!initialized(s)) {
+        return BUTTER_E_STATE;
+    }
+    if (n_threads < 1) {
+        return BUTTER_E_ARGUMENT;
+    }
+    s->n_threads = n_threads;
     return BUTTER_OK;
 }
 

@@ -78,6 +78,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         repack=not settings.deterministic, fast_layers=settings.fast_layers,
         draft_model=Path(settings.draft_model) if settings.draft_model else None,
         draft_required=is_boot_model, exact_decode=settings.deterministic,
+        fit_threads=settings.fit_threads,
     )
 
 

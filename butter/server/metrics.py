@@ -32,7 +32,7 @@ class _EngineCollector(Collector):
         if engine is None:
             return
         stats = engine.stats()
-        gauges = {
+        gauges: dict[str, tuple[str, float]] = {
             "butter_active_sessions": ("Requests generating now", stats.active),
             "butter_queue_depth": ("Requests waiting for admission", stats.queued),
             "butter_kv_reserved_cells": ("KV cells reserved by live requests",
@@ -48,6 +48,19 @@ class _EngineCollector(Collector):
                                                    stats.host.entries)
             gauges["butter_host_cache_bytes"] = ("Bytes the host-RAM tier holds",
                                                  stats.host.bytes)
+        team = stats.threads
+        if team is not None:  # (a busy machine, as the engine's threads see it)
+            gauges["butter_threads"] = ("Threads a step computes on now", team.now)
+            gauges["butter_threads_max"] = ("Threads a step computes on at most (--threads)",
+                                            team.most)
+            if team.others_cores is not None:
+                gauges["butter_other_programs_cores"] = (
+                    "Cores' worth of CPU time other programs took on this process's cores",
+                    team.others_cores)
+            if team.step_time_ratio is not None:
+                gauges["butter_step_time_ratio"] = (
+                    "Decode steps' time against the fastest of their size (1: quiet)",
+                    team.step_time_ratio)
         for name, (text, value) in gauges.items():
             yield GaugeMetricFamily(name, text, value=value)
         counters = {
@@ -68,6 +81,9 @@ class _EngineCollector(Collector):
             "butter_draft_steps": ("Engine steps that verified draft tokens",
                                    stats.draft_steps),
         }
+        if team is not None:
+            counters["butter_thread_shrinks"] = (
+                "Times other programs' use of the cores made the team smaller", team.shrinks)
         if stats.host is not None:
             counters["butter_host_cache_restores"] = ("Prefixes restored from host RAM",
                                                       stats.host.restored)

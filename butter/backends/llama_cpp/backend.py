@@ -8,6 +8,8 @@ decode, so the trio loop keeps serving.
 from __future__ import annotations
 
 import ctypes
+import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -34,6 +36,7 @@ from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
+from butter.backends.llama_cpp.placement import TeamPlacement
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import (
     EXACT_BATCH_ROWS,
@@ -43,11 +46,14 @@ from butter.backends.llama_cpp.stepping import (
 )
 from butter.backends.native import Unavailable
 from butter.backends.shaping import StepShaper
+from butter.backends.team import StepPace, TeamSizer, TeamStatus, read_sample
 from butter.backends.worker import BackendWorker
-from butter.cpu import this_cpu
+from butter.cpu import allowed_cpus, this_cpu
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
+
+log = logging.getLogger("butter.engine")
 
 
 class LlamaCppBackend:
@@ -56,7 +62,7 @@ class LlamaCppBackend:
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
         fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
         cache_seqs: int = 0, draft_model: Path | None = None, draft_required: bool = True,
-        exact_decode: bool = False,
+        exact_decode: bool = False, fit_threads: bool = True,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
         `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes.
@@ -73,7 +79,9 @@ class LlamaCppBackend:
         attention (`decode_attention`), which already computes a lone row that way.
         `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
         decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
-        `draft_required`, else stays unloaded, and `draft_model_off` says why."""
+        `draft_required`, else stays unloaded, and `draft_model_off` says why.
+        `fit_threads`: steps run on fewer than `threads` threads while other programs take
+        the cores (team.py), else always on `threads`."""
         # Everything that runs llama.cpp's threads runs on this one thread, loading included:
         # see BackendWorker.
         self._worker = BackendWorker("butter-llama", free=self._free)
@@ -126,6 +134,16 @@ class LlamaCppBackend:
         # so that the same seeded request could sample differently from one run to the next.
         head = self.model.lm_head
         self.shaper.head_choice = head is not None and repack and not head.exact
+        self.threads = self.most_threads = threads  # (threads: the team's size now)
+        self._cpus = allowed_cpus()
+        self.team_sizer = TeamSizer(threads, len(self._cpus)) if fit_threads and threads > 1 \
+            else None
+        self.pace = StepPace()
+        self._stepped = 0.0  # seconds in steps since the team sizer last looked
+        self.placement: TeamPlacement | None = None
+        self.placement_off: str | None = "--no-fit-threads" if not fit_threads else None
+        if self.team_sizer is not None:
+            self._worker.run(self._place_team)
 
     def _load_drafter(self, path: Path, *, required: bool, threads: int) -> None:
         model = self.model
@@ -226,6 +244,19 @@ class LlamaCppBackend:
             "separated_prompt_steps": self.stepper.separated_steps,
         }
 
+    def team(self) -> TeamStatus:
+        team = self.team_sizer
+        last = team.last if team else None
+        return TeamStatus(
+            now=self.threads, most=self.most_threads, fitted=team is not None,
+            others_cores=None if last is None else round(last.others, 2),
+            team_wait=None if last is None or last.waited is None else round(last.waited, 2),
+            step_time_ratio=None if self.pace.ratio is None else round(self.pace.ratio, 2),
+            shrinks=team.shrinks if team else 0, full_team_tries=team.tries if team else 0,
+            pinned=self.placement is not None and self.placement.pinned,
+            pinning_off=self.placement_off,
+        )
+
     # ------------------------------------------------------------------ text and checks
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
@@ -257,7 +288,63 @@ class LlamaCppBackend:
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         outcomes: list[StepResult] = list(apply_kv_ops(self, ops))
-        return outcomes + self.stepper.run(works)
+        started = time.perf_counter()
+        outcomes += self.stepper.run(works)
+        seconds = time.perf_counter() - started
+        if works and not any(work.prompt for work in works):
+            self.pace.observe(sum(len(work.tokens) + work.guess for work in works), seconds)
+        self._fit_team(seconds)
+        return outcomes
+
+    def _fit_team(self, stepped: float) -> None:
+        """Between steps: the team for the next ones, when a window of steps closes."""
+        team = self.team_sizer
+        if team is None:
+            return
+        self._stepped += stepped
+        if not team.due(time.monotonic()):
+            return
+        size = team.observe(read_sample(self._cpus, self._team_tids()), self._stepped,
+                            self.pace.close_window)
+        self._stepped = 0.0
+        if size != self.threads:
+            log.debug("compute team %d -> %d threads after %s", self.threads, size, team.last)
+            self._set_threads(size)
+            team.restart(read_sample(self._cpus, self._team_tids()))
+
+    def _team_tids(self) -> list[int]:
+        """The kernel thread ids of the team now, where known (thread 0 first)."""
+        return self.placement.tids[:self.threads] if self.placement is not None else []
+
+    def resize_team(self, threads: int) -> None:
+        """Compute the next steps on `threads` threads (1 to --threads), from any thread;
+        with --fit-threads the team sizer may change it again after a window of steps."""
+        self._worker.run(self._set_threads, threads)
+
+    def _set_threads(self, threads: int) -> None:
+        """`resize_team` on the backend's thread."""
+        threads = max(1, min(threads, self.most_threads))
+        ll.llama_set_n_threads(self.model.ctx, threads, threads)
+        if self.model.lm_head is not None:
+            self.model.lm_head.set_threads(threads)
+        if self.drafter is not None:
+            ll.llama_set_n_threads(self.drafter.ctx, threads, threads)
+        self.threads = threads
+        self._place_team()
+
+    def _place_team(self) -> None:
+        """One team thread per CPU when the team fills them, else anywhere in the mask
+        (placement.py); without butter's extension the scheduler places them."""
+        if self.placement is None and self.placement_off is None:
+            try:
+                self.placement = TeamPlacement(self._cpus)
+            except Unavailable as exc:
+                self.placement_off = str(exc)
+        if self.placement is not None:
+            try:
+                self.placement.place(self.threads, self.most_threads)
+            except Unavailable as exc:
+                self.placement, self.placement_off = None, str(exc)
 
     def remove_tokens(self, op: RemoveTokens) -> None:
         if not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.start, op.end):

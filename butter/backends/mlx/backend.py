@@ -84,6 +84,9 @@ class MlxBackend:
             "decode_batch": list(self.decode_batch),  # sessions sharing a forward pass
         }
 
+    def team(self) -> None:
+        return None  # (mlx sizes its own CPU work)
+
     def cached_bytes(self, seq: int) -> int:
         """Bytes of KV state the session holds (its row of the batch, if batched)."""
         return self._worker.run(self.caches.cached_bytes, seq)  # mlx work stays on its thread
