@@ -2,21 +2,18 @@
 programs use of them right now (no model here; the llama.cpp backend applies the size).
 
 llama.cpp's threads, and butter's kernels among them, meet at a barrier after every
-operation of a step, hundreds of times per token. A team thread that has no core holds all
-the others at the next barrier until the scheduler hands it a slice, so a team of N threads
-on N cores, beside one other busy program, runs hundreds of times slower than it would on
-N - 1 threads (docs/concurrency.md, "On a busy machine"). The team must fit the cores that
-are free, not the cores that exist.
+operation of a step, hundreds of times per token. A team thread that shares its core with
+another busy program holds all the others at the next barrier until the scheduler hands it
+a slice, so a team of N threads on N cores beside one busy program can run hundreds of
+times slower than N - 1 threads would (docs/architecture.md, "A busy machine"). The team
+must fit the cores that are free, not the cores that exist.
 
-So after each step the backend hands `TeamSizer.observe` a `CpuSample`: the kernel's CPU
-accounting for the cores this process may run on (all programs' time on them) and this
-process's own time. Over a window of steps, the difference is what other programs use;
-the team is the cores left, at least one. What the others leave is only seen while the
-team leaves room for them, so a smaller team tries the full one again now and then: a
-program at low priority gives its core back when butter's threads want it, and over that
-window the others' time falls; a program at the same priority keeps its share, and the
-team shrinks again. When the other program stops, its core shows up idle in the next
-window and the team grows at once.
+So after each step the backend adds the step's time to a window, and when the window has
+lasted long enough it hands `TeamSizer.observe` a `CpuSample` (the kernel's accounting of
+every program's time on this process's CPUs, this process's own time, and how long the
+team's threads waited for a CPU) with the decode steps' pace (`StepPace`). The sizer
+shrinks a crowded team that steps slower than a smaller one would, grows a smaller one
+when a core is idle, and now and then tries the full team to see who yields.
 """
 
 from __future__ import annotations
