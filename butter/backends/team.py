@@ -35,6 +35,10 @@ MIN_STEPPING_SHARE = 0.5
 # The team is crowded when its threads waited for a CPU this long per second of steps (a
 # thread sharing its core with one program of the same priority waits half the time).
 CROWDED_WAIT = 0.2
+# A crowded team shrinks when its steps ran slower than the smaller team's by this much
+# (measured) or this much (guessed).
+MEASURED_MARGIN = 1.1
+GUESSED_MARGIN = 1.5
 # A core counts as free when the others leave at least this much less than all of it.
 SLACK_CORES = 0.5
 # How long a smaller team runs before it tries the full one again, doubling (up to the
@@ -242,7 +246,7 @@ class TeamSizer:
             smaller = self.uncrowded(waited)
             # A crowded team can still be the faster one: steps behind a thread that waits
             # for its core now and then lose less than a thread fewer would.
-            if pace is None or pace > self.expected_pace(smaller):
+            if pace is None or pace > self.slowest_worth_keeping(smaller):
                 return smaller
             return size
         return max(size, self.fits(others)) if size < self.most else size
@@ -256,6 +260,14 @@ class TeamSizer:
             return known
         quiet = self._quiet_pace if self._quiet_pace is not None else 1.0
         return quiet * self.most / size
+
+    def slowest_worth_keeping(self, smaller: int) -> float:
+        """The slowest pace at which a crowded team beats `smaller` threads: their pace,
+        with a margin for the noise of one window, and a wide one while it is a guess
+        (steps slow down as contexts grow, and a client on the machine makes any team
+        wait; a team without a core runs several times slower, well past it)."""
+        margin = MEASURED_MARGIN if smaller in self._pace_at else GUESSED_MARGIN
+        return self.expected_pace(smaller) * margin
 
     def _close_window(self, now: float, fits: int) -> None:
         trying, self._trying = self._trying, False

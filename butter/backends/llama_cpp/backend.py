@@ -336,6 +336,10 @@ class LlamaCppBackend:
         """One team thread per CPU when the team fills them, else anywhere in the mask
         (placement.py); without butter's extension the scheduler places them."""
         if self.placement is None and self.placement_off is None:
+            if b"OPENMP = 1" not in ll.llama_print_system_info():
+                # (its own thread pool: butter's OpenMP regions would reach other threads)
+                self.placement_off = "llama.cpp was built without OpenMP"
+                return
             try:
                 self.placement = TeamPlacement(self._cpus)
             except Unavailable as exc:

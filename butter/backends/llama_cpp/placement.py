@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from butter.backends import native
@@ -34,6 +35,9 @@ class TeamPlacement:
         """Raises Unavailable where the extension is not built or has no OpenMP."""
         self._lib: Any = native.open_extension("_team", "butter_team_abi_version",
                                                ABI_VERSION, _SIGNATURES)
+        runtimes = openmp_runtimes()
+        if len(runtimes) > 1:  # (then this extension's threads need not be llama.cpp's)
+            raise Unavailable(f"more than one OpenMP runtime is loaded: {sorted(runtimes)}")
         self.cpus = sorted(cpus)
         self.pinned = False
         self.tids: list[int] = []  # the team's kernel thread ids, thread 0 first
@@ -58,3 +62,21 @@ class TeamPlacement:
         if pin and not self.pinned:
             log.warning("could not pin the compute team to CPUs %s (threads: %s)",
                         self.cpus, self.tids)
+
+
+OPENMP_RUNTIMES = ("libgomp", "libomp", "libiomp5")
+
+
+def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> set[str]:
+    """The OpenMP runtime libraries mapped into this process (empty where /proc says
+    nothing): llama.cpp's team and this extension's regions share threads only in one."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in text.splitlines():
+        name = line.rsplit("/", 1)[-1] if "/" in line else ""
+        if name.startswith(OPENMP_RUNTIMES):
+            found.add(line[line.index("/"):])
+    return found
