@@ -35,10 +35,9 @@ MIN_STEPPING_SHARE = 0.5
 # The team is crowded when its threads waited for a CPU this long per second of steps (a
 # thread sharing its core with one program of the same priority waits half the time).
 CROWDED_WAIT = 0.2
-# A crowded team shrinks when its steps ran slower than the smaller team's by this much
-# (measured) or this much (guessed).
+# A crowded team shrinks when its steps ran slower than the smaller team's did by this
+# much (the noise of one window).
 MEASURED_MARGIN = 1.1
-GUESSED_MARGIN = 1.5
 # A core counts as free when the others leave at least this much less than all of it.
 SLACK_CORES = 0.5
 # How long a smaller team runs before it tries the full one again, doubling (up to the
@@ -262,12 +261,12 @@ class TeamSizer:
         return quiet * self.most / size
 
     def slowest_worth_keeping(self, smaller: int) -> float:
-        """The slowest pace at which a crowded team beats `smaller` threads: their pace,
-        with a margin for the noise of one window, and a wide one while it is a guess
-        (steps slow down as contexts grow, and a client on the machine makes any team
-        wait; a team without a core runs several times slower, well past it)."""
-        margin = MEASURED_MARGIN if smaller in self._pace_at else GUESSED_MARGIN
-        return self.expected_pace(smaller) * margin
+        """The slowest pace at which a crowded team beats `smaller` threads: theirs, with a
+        margin for the noise of one window once measured. A guess has none: the first
+        shrink measures the smaller team, and the next try of the full team compares."""
+        if smaller in self._pace_at:
+            return self._pace_at[smaller] * MEASURED_MARGIN
+        return self.expected_pace(smaller)
 
     def _close_window(self, now: float, fits: int) -> None:
         trying, self._trying = self._trying, False
