@@ -250,8 +250,8 @@ def share(value: float | None, quiet: float | None) -> str:
 def report(results: Sequence[dict[str, Any]], meta: dict[str, Any], workload: Workload,
            conditions: Sequence[str]) -> str:
     machine = meta["machine"]
-    lines = [f"Run {meta['date']}, commit {meta['git_commit']}, {machine.get('cpu_model')} "
-             f"({machine.get('nproc')} CPUs; kernels: {machine.get('kernels_run_as')}), "
+    lines = [f"Run {meta['date']}, commit {meta['git_commit']}, {machine.get('cpu_class')} "
+             f"(run as: {machine.get('run_as')}), "
              f"workload {workload.name} on {workload.model}, {workload.max_tokens} tokens, "
              "greedy.", ""]
     headers = ["server", "c", *(f"{c} per stream" for c in conditions),
