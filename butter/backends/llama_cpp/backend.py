@@ -36,6 +36,7 @@ from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
+from butter.backends.llama_cpp.placement import TeamPlacement
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.stepping import (
     EXACT_BATCH_ROWS,
@@ -43,7 +44,6 @@ from butter.backends.llama_cpp.stepping import (
     REPACKED_EXACT_ROWS,
     Stepper,
 )
-from butter.backends.llama_cpp.team_threads import team_thread_ids
 from butter.backends.native import Unavailable
 from butter.backends.shaping import StepShaper
 from butter.backends.team import StepPace, TeamSizer, TeamStatus, read_sample
@@ -140,10 +140,10 @@ class LlamaCppBackend:
             else None
         self.pace = StepPace()
         self._stepped = 0.0  # seconds in steps since the team sizer last looked
-        self._tids: list[int] = []  # the team's kernel thread ids, thread 0 first
-        self.team_wait_off: str | None = "--no-fit-threads" if not fit_threads else None
+        self.placement: TeamPlacement | None = None
+        self.placement_off: str | None = "--no-fit-threads" if not fit_threads else None
         if self.team_sizer is not None:
-            self._worker.run(self._learn_team_threads)
+            self._worker.run(self._place_team)
 
     def _load_drafter(self, path: Path, *, required: bool, threads: int) -> None:
         model = self.model
@@ -253,7 +253,8 @@ class LlamaCppBackend:
             team_wait=None if last is None or last.waited is None else round(last.waited, 2),
             step_time_ratio=None if self.pace.ratio is None else round(self.pace.ratio, 2),
             shrinks=team.shrinks if team else 0, full_team_tries=team.tries if team else 0,
-            team_wait_off=self.team_wait_off,
+            pinned=self.placement is not None and self.placement.pinned,
+            pinning_off=self.placement_off,
         )
 
     # ------------------------------------------------------------------ text and checks
@@ -313,13 +314,7 @@ class LlamaCppBackend:
 
     def _team_tids(self) -> list[int]:
         """The kernel thread ids of the team now, where known (thread 0 first)."""
-        return self._tids[:self.threads]
-
-    @property
-    def team_thread_ids(self) -> list[int]:
-        """The kernel thread ids of the largest team (thread 0, the backend's, first);
-        empty where they are not known (`team().team_wait_off` says why)."""
-        return list(self._tids)
+        return self.placement.tids[:self.threads] if self.placement is not None else []
 
     def resize_team(self, threads: int) -> None:
         """Compute the next steps on `threads` threads (1 to --threads), from any thread;
@@ -335,18 +330,25 @@ class LlamaCppBackend:
         if self.drafter is not None:
             ll.llama_set_n_threads(self.drafter.ctx, threads, threads)
         self.threads = threads
+        self._place_team()
 
-    def _learn_team_threads(self) -> None:
-        """The team's thread ids (team_threads.py), for the team's wait; without them (no
-        extension, no OpenMP) the other programs' CPU time alone sizes the team."""
-        if b"OPENMP = 1" not in ll.llama_print_system_info():
-            # (its own thread pool: butter's OpenMP region would name other threads)
-            self.team_wait_off = "llama.cpp was built without OpenMP"
-            return
-        try:
-            self._tids = team_thread_ids(self.most_threads)
-        except Unavailable as exc:
-            self.team_wait_off = str(exc)
+    def _place_team(self) -> None:
+        """One team thread per CPU when the team fills them, else anywhere in the mask
+        (placement.py); without butter's extension the scheduler places them."""
+        if self.placement is None and self.placement_off is None:
+            if b"OPENMP = 1" not in ll.llama_print_system_info():
+                # (its own thread pool: butter's OpenMP regions would reach other threads)
+                self.placement_off = "llama.cpp was built without OpenMP"
+                return
+            try:
+                self.placement = TeamPlacement(self._cpus)
+            except Unavailable as exc:
+                self.placement_off = str(exc)
+        if self.placement is not None:
+            try:
+                self.placement.place(self.threads, self.most_threads)
+            except Unavailable as exc:
+                self.placement, self.placement_off = None, str(exc)
 
     def remove_tokens(self, op: RemoveTokens) -> None:
         if not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.start, op.end):
