@@ -379,7 +379,7 @@ def test_an_idle_server_leaves_no_thread_spinning(
 
 
 def test_the_team_is_placed_only_where_one_openmp_runtime_is_loaded(tmp_path: Path) -> None:
-    from butter.backends.llama_cpp.placement import openmp_runtimes
+    from butter.backends.llama_cpp.placement import linked_runtimes, openmp_runtimes
 
     maps = tmp_path / "maps"
     gomp = "/usr/lib/x86_64-linux-gnu/libgomp.so.1.0.0"
@@ -391,5 +391,13 @@ def test_the_team_is_placed_only_where_one_openmp_runtime_is_loaded(tmp_path: Pa
     maps.write_text("\n".join(lines) + "\n")
     assert openmp_runtimes(maps) == {gomp}
     maps.write_text("\n".join([*lines, f"7f50-7f60 r-xp 00000000 08:01 9 {omp}"]) + "\n")
-    assert openmp_runtimes(maps) == {gomp, omp}  # (two: the team is left unplaced)
+    assert openmp_runtimes(maps) == {gomp, omp}
     assert openmp_runtimes(tmp_path / "missing") == set()
+    package = Path("/opt/venv/lib/python3.11/site-packages/llama_cpp")
+    private = "/opt/venv/lib/python3.11/site-packages/sentencepiece.libs/libgomp-6a29c32d.so.1.0.0"
+    # A wheel's private, renamed copy serves only that wheel; a copy inside llama_cpp, or
+    # a second runtime under its own name, means two teams: the team is left unplaced.
+    assert linked_runtimes({gomp, private}, package) == {gomp}
+    assert linked_runtimes({gomp, omp}, package) == {gomp, omp}
+    vendored = str(package / "lib" / "libgomp-1a2b3c4d.so.1")
+    assert linked_runtimes({gomp, vendored}, package) == {gomp, vendored}

@@ -35,7 +35,9 @@ class TeamPlacement:
         """Raises Unavailable where the extension is not built or has no OpenMP."""
         self._lib: Any = native.open_extension("_team", "butter_team_abi_version",
                                                ABI_VERSION, _SIGNATURES)
-        runtimes = openmp_runtimes()
+        import llama_cpp
+
+        runtimes = linked_runtimes(openmp_runtimes(), Path(llama_cpp.__file__).parent)
         if len(runtimes) > 1:  # (then this extension's threads need not be llama.cpp's)
             raise Unavailable(f"more than one OpenMP runtime is loaded: {sorted(runtimes)}")
         self.cpus = sorted(cpus)
@@ -80,3 +82,16 @@ def openmp_runtimes(maps: Path = Path("/proc/self/maps")) -> set[str]:
         if name.startswith(OPENMP_RUNTIMES):
             found.add(line[line.index("/"):])
     return found
+
+
+def linked_runtimes(runtimes: set[str], llama_package: Path) -> set[str]:
+    """Of the OpenMP runtimes loaded, those llama.cpp or this extension may be linked to:
+    the ones loaded under their own names (`libgomp.so.1`), and any copy inside the
+    llama_cpp package. A wheel's private copy elsewhere (auditwheel renames it
+    `libgomp-<hash>.so`, as sentencepiece's) serves only that wheel."""
+    def named_plainly(path: str) -> bool:
+        name = path.rsplit("/", 1)[-1]
+        return any(name.startswith(runtime + ".so") for runtime in OPENMP_RUNTIMES)
+
+    return {path for path in runtimes
+            if named_plainly(path) or Path(path).is_relative_to(llama_package)}
