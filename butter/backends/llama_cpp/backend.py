@@ -288,19 +288,18 @@ class LlamaCppBackend:
 
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         outcomes: list[StepResult] = list(apply_kv_ops(self, ops))
+        if self.team_sizer is None:  # (--no-fit-threads: nothing to time)
+            return outcomes + self.stepper.run(works)
         started = time.perf_counter()
         outcomes += self.stepper.run(works)
         seconds = time.perf_counter() - started
         if works and not any(work.prompt for work in works):
             self.pace.observe(sum(len(work.tokens) + work.guess for work in works), seconds)
-        self._fit_team(seconds)
+        self._fit_team(self.team_sizer, seconds)
         return outcomes
 
-    def _fit_team(self, stepped: float) -> None:
+    def _fit_team(self, team: TeamSizer, stepped: float) -> None:
         """Between steps: the team for the next ones, when a window of steps closes."""
-        team = self.team_sizer
-        if team is None:
-            return
         self._stepped += stepped
         if not team.due(time.monotonic()):
             return
