@@ -5,7 +5,7 @@ From 512 KV cells on, llama.cpp splits a one-row step's flash attention over the
 its threads, and computes each row of a bigger step over its cells on one thread; butter
 computes every decode row over the cells it sees in fixed chunks of them
 (butter/native/decode_attention.h), the same bits whatever the step holds, which keeps
-speculative decoding and batching exact at any context length (docs/architecture.md,
+speculative decoding and batching exact at any context length (docs/design/numerics.md,
 "Numerics and determinism").
 
 This loads each model on the real llama.cpp backend as `butter serve` does (repacking on,

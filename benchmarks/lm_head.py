@@ -4,7 +4,7 @@
 Loads the model twice (`--fast-lm-head` off and on), prefills 8 sessions with different
 prompts, then times decode steps of 1..8 rows (one token per session, logits on every
 row, no sampling, step shaping off) and prints the medians side by side. This is the
-bare-loop measurement behind docs/architecture.md's "Output projection" table.
+bare-loop measurement behind docs/design/kernels.md's "Output projection" table.
 
 Usage (from the repository root, in the project's venv)::
 

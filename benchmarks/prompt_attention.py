@@ -5,7 +5,7 @@ Steps of 64 query rows or more (a prompt's chunks, several prompts arriving toge
 computed by butter in tiles of rows that share each key's load, every row bit for bit what
 its decode attention gives it alone (butter/native/prompt_attention.h); llama.cpp's tiled
 path sums a tile's cells in blocks of the places they lie in, so a prompt's last bits depend
-on what was prefilled beside it and where its cells went (docs/architecture.md, "Numerics
+on what was prefilled beside it and where its cells went (docs/design/numerics.md, "Numerics
 and determinism").
 
 This loads each model on the real llama.cpp backend as `butter serve` does, then prefills

@@ -6,7 +6,7 @@ decode rows first, on their own, then the chunk), on the real engine.
 Prefills `--sessions` short prompts, then feeds one `--prompt`-token prompt in chunks of
 `--chunk` (256) tokens, each step carrying every session's next token too, and prints each
 layout's total and its step times along the way. This is the measurement behind
-docs/architecture.md's "Decode rows beside a prompt chunk". Random token ids: the cost is
+docs/design/prompt-chunks.md's "Decode rows beside a prompt chunk". Random token ids: the cost is
 the same as text's.
 
 Usage (from the repository root, in the project's venv)::

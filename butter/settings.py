@@ -31,7 +31,7 @@ DEFAULT_PREFILL_CHUNK = 256
 # step carrying one takes about this long: each such step is a stall in every stream. Off by
 # default: on the Qwen3-0.6B shape (2 cores, an 8k prompt beside 4 streams) 0.5 s cut the
 # longest stall 8.5 -> 2.5 s and tripled the streams' rate, but cost the long prompt 9-19%
-# more time to its first token (docs/architecture.md).
+# more time to its first token (docs/design/prompt-chunks.md).
 DEFAULT_DECODE_STALL_SECONDS = 0.0
 # Speculative decoding: the most draft tokens one session verifies in a step. The backend's
 # exact batch width limits it first: 15 where butter's kernels multiply every matrix, else
@@ -122,7 +122,7 @@ class ServeSettings:
     # --deterministic turns off.
     fast_layers: bool = True
     # llama.cpp: no weight repacking, so a prompt's KV and logits are bit-identical cold and
-    # on a cache hit (docs/architecture.md, "Numerics and determinism"). Off by default:
+    # on a cache hit (docs/design/numerics.md, "Numerics and determinism"). Off by default:
     # repacked Q4_K decodes faster (benchmarks/RESULTS.md).
     deterministic: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

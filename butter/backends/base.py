@@ -255,7 +255,7 @@ class Backend(Protocol):
         """`step`, started on the backend's own thread (every evaluation runs there).
 
         The engine waits for this future directly: one thread hand-off each way instead
-        of two through a trio worker thread (docs/architecture.md, "One llama.cpp
+        of two through a trio worker thread (docs/design/threads.md, "One llama.cpp
         thread")."""
         ...
 

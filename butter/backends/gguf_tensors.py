@@ -1,7 +1,7 @@
 """Where a tensor's bytes are in a GGUF file, read straight from its header (pure).
 
 The `gguf` package reads the same header, but it materializes every metadata value on
-the way, which takes seconds for a large vocabulary (docs/architecture.md has the figures);
+the way, which takes seconds for a large vocabulary (docs/design/kernels.md has the figures);
 here values are skipped unless asked for. Format: github.com/ggml-org/ggml docs/gguf.md.
 """
 

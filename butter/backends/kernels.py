@@ -9,7 +9,7 @@ IQ4_NL and MXFP4 on AVX2 and up, Q2_K on AVX512), its kernel is already the fast
 butter leaves it. Q4_K is the exception: llama.cpp repacks it too, but its kernel's cost
 grows with every row of a step and it rounds rows otherwise from four rows on, while
 butter's computes each row alone at any count, with a few rows costing little more than
-one (docs/architecture.md, "Q4_K"). Everything else is llama.cpp's generic code.
+one (docs/design/kernels.md, "Q4_K"). Everything else is llama.cpp's generic code.
 
 ARM (NEON) is planned here, not built: llama.cpp's repacking there covers Q4_0, Q4_K, Q5_K,
 Q6_K, Q8_0, IQ4_NL and MXFP4 (with the dotprod and i8mm extensions), so a NEON port of

@@ -3,7 +3,7 @@
 On llama.cpp's CPU backend the cost of a step on a small model is dominated by the output
 projection, and its matmul kernels do not scale smoothly with the number of output rows:
 more rows can cost less, and two single-row decodes less than one of two rows (the
-measurements are in docs/architecture.md, "Step shaping"). So a step can be evaluated in
+measurements are in docs/design/step-shaping.md, "Step shaping"). So a step can be evaluated in
 one of three shapes:
 
 - PLAIN: the rows as they are;

@@ -5,7 +5,7 @@ llama.cpp's threads, and butter's kernels among them, meet at a barrier after ev
 operation of a step, hundreds of times per token. A team thread that shares its core with
 another busy program holds all the others at the next barrier until the scheduler hands it
 a slice, so a team of N threads on N cores beside one busy program can run hundreds of
-times slower than N - 1 threads would (docs/architecture.md, "A busy machine"). The team
+times slower than N - 1 threads would (docs/design/busy-machine.md, "A busy machine"). The team
 must fit the cores that are free, not the cores that exist.
 
 So after each step the backend adds the step's time to a window, and when the window has

@@ -1,7 +1,7 @@
 """The one thread a backend evaluates on, and who may use its model while it closes.
 
 Both backends run every evaluation on one thread they own, the model's load included:
-llama.cpp's OpenMP builds keep a team of threads per calling thread (docs/architecture.md,
+llama.cpp's OpenMP builds keep a team of threads per calling thread (docs/design/threads.md,
 "One llama.cpp thread"), and mlx ties unevaluated arrays to the thread that built them.
 Meanwhile requests are prepared (tokenized, their grammar compiled) on other threads, side
 by side, and a model swap may close the backend from yet another: closing waits for those

@@ -70,7 +70,7 @@ class LlamaCppBackend:
         `fast_lm_head`: let butter compute the logits (butter/backends/lmhead.py) where
         that applies; `lm_head` then says which one does, and why. `repack`: let llama.cpp
         repack weights for its interleaved kernels (faster one-row decode of some K-quants,
-        but a row's result then depends on its place in the batch: docs/architecture.md).
+        but a row's result then depends on its place in the batch: docs/design/numerics.md).
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
         `exact_decode`: every decode row is computed as a row of a bigger step is: a one-row
@@ -129,7 +129,7 @@ class LlamaCppBackend:
         # Time llama.cpp's own projection against butter's, per number of rows, where both
         # exist, exactness was not asked for (they round differently), and butter's serves a
         # requantized matrix (more bytes than the file's). On a Q8_0 output matrix both read
-        # the same bytes and butter's kernel is the faster (docs/architecture.md): trying
+        # the same bytes and butter's kernel is the faster (docs/design/kernels.md): trying
         # llama.cpp's there only costs time, and changes the last bits of some steps' logits,
         # so that the same seeded request could sample differently from one run to the next.
         head = self.model.lm_head
@@ -173,7 +173,7 @@ class LlamaCppBackend:
         return self.drafter.seconds if self.drafter is not None else 0.0
 
     def _draft_rows(self) -> tuple[int, str | None]:
-        """How many rows a verifying step may have (docs/architecture.md, "Speculative
+        """How many rows a verifying step may have (docs/design/speculation.md, "Speculative
         decoding"): llama.cpp's CPU matmuls compute each row of a batch of fewer than
         EXACT_BATCH_ROWS as they would alone, but its repacked kernels multiply rows four
         at a time from four rows on, where they round differently."""
@@ -218,7 +218,7 @@ class LlamaCppBackend:
 
     @property
     def lm_head_redos(self) -> int:
-        """Steps evaluated again by llama.cpp because it split them (docs/architecture.md)."""
+        """Steps evaluated again by llama.cpp because it split them (docs/design/kernels.md)."""
         return self.stepper.redone_steps
 
     def diagnostics(self) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """A draft model (`--draft-model`): a smaller GGUF with the same vocabulary that guesses
-the next tokens greedily, for the resident model to verify (docs/architecture.md,
+the next tokens greedily, for the resident model to verify (docs/design/speculation.md,
 "Speculative decoding"). It keeps, per sequence, a cache of the tokens it last saw, and
 brings it up to the sequence's tokens before each guess (only what changed is evaluated).
 

@@ -60,7 +60,7 @@ class LlguidanceGrammars:
 
     def allowed(self, matcher: Any) -> Any:
         """The ids of the tokens the matcher allows next (its whole-vocabulary mask; its
-        cost is in docs/architecture.md, "Sampling")."""
+        cost is in docs/design/sampling.md, "Sampling")."""
         return np.flatnonzero(allowed_tokens(matcher, self._model.info.n_vocab))
 
     def tokenizer(self) -> Any:

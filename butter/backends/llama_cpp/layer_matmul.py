@@ -155,7 +155,7 @@ class LayerMatmul:
         chunks, so that it does not depend on the other rows of the step, the thread count or
         the cache's size. On from registration where the probes agree with llama.cpp's (a
         decode row verified beside drafts, or beside other requests, is then the lone row it
-        stands for: docs/architecture.md, "Speculative decoding"). Takes effect from the next
+        stands for: docs/design/speculation.md, "Speculative decoding"). Takes effect from the next
         step; change it only between steps."""
         self._lib.butter_layer_matmul_decode_attention(int(on))
 
@@ -466,6 +466,6 @@ def _on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
     and libgomp keeps a team of threads for every thread that ran a parallel region: a team
     left on the caller's thread would make more OpenMP threads than cores, and then libgomp
     barely spins at its barriers and sleeps instead, which made one-row decode steps on 2
-    cores several times slower (docs/architecture.md, "One llama.cpp thread")."""
+    cores several times slower (docs/design/threads.md, "One llama.cpp thread")."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="butter-self-check") as once:
         return once.submit(fn, *args).result()  # (leaving the block joins the thread)

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 # whether it was prefilled cold, alone, beside others, or reused from the cache.
 # (Weight repacking is off for the same reason where exactness is asked for, `repack`
 # False: its kernels can make a row's result depend on its position in the batch; see
-# docs/architecture.md.)
+# docs/design/numerics.md.)
 MIN_PROMPT_ROWS = 8
 # Where butter's kernels multiply every matrix of a step (each layer's and the output
 # projection), each row is computed alone at any row count, and so is each query row of

@@ -23,7 +23,7 @@ from butter.chat.request import Logprobs
 SampleRow = tuple[int, int, int]
 
 # llama.cpp's CPU matmuls take one code path for batches of fewer than this many rows and
-# another from there on (docs/architecture.md, "Numerics and determinism"): within the
+# another from there on (docs/design/numerics.md, "Numerics and determinism"): within the
 # first, every row is computed as it would be alone.
 EXACT_BATCH_ROWS = 8
 # Its CPU flash attention computes a step of one query row another way (split over the
@@ -31,7 +31,7 @@ EXACT_BATCH_ROWS = 8
 # cells), and the two round differently. Where exactness is asked for, a one-row step gets
 # a scratch row beside it, so that a decode row is computed the same alone or not (and a
 # draft's rows as the one-row steps they stand for); it costs a pass of the repacked
-# kernels and the split's speed (docs/architecture.md, "Numerics and determinism").
+# kernels and the split's speed (docs/design/numerics.md, "Numerics and determinism").
 ONE_ROW_SCRATCH = 1
 # Its repacked kernels (Q4_0, Q4_K, IQ4_NL) multiply a batch's rows four at a time and the
 # rest one by one, so only batches of up to this many rows compute each row as alone.
@@ -50,7 +50,7 @@ PROMPT_TILE_ROWS = 64
 # rows leave partial tiles that cost as much as whole ones. A step with at least a tile of
 # prompt rows therefore evaluates its decode rows first, on their own, then the prompt rows:
 # one more pass over the weights, for a step that is 10-25% cheaper (measured in
-# docs/architecture.md, "Decode rows beside a prompt chunk"). Smaller steps stay on the
+# docs/design/prompt-chunks.md, "Decode rows beside a prompt chunk"). Smaller steps stay on the
 # per-row kernel, where mixing costs nothing.
 SEPARATE_PROMPT_ROWS = PROMPT_TILE_ROWS
 
