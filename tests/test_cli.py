@@ -109,3 +109,4 @@ def test_the_flag_reference_is_the_parsers_own() -> None:
     written = (Path(__file__).parent.parent / "docs" / "flags.md").read_text("utf-8")
     assert written == flags_markdown(), "docs/flags.md is stale: python -m butter.flags_doc"
     assert "`--api-key-file`" in written and "`--interleave`" in written
+    assert "### Access" in written  # serve's argument groups are its sub-headings
