@@ -44,23 +44,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import agent_workload
-from compare import (
+from benchmarks import agent_workload
+from benchmarks.harness import (
     BUILD,
     DEFAULT_LLAMA_SERVER_BIN,
     SERVE_BENCH,
     VENV_PYTHON,
     ServerSpec,
+    console,
     cpu_sample,
     cpu_window,
     free_port,
+    llama_server_argv,
     log_tail,
     md_table,
     resolve_model,
@@ -68,10 +71,10 @@ from compare import (
     running_server,
     served_model_id,
     version_of,
+    wait_quiet,
     wait_ready,
     write_markdown,
 )
-
 from butter.chat.template import (
     builtin_for_architecture,
     builtin_template_source,
@@ -82,8 +85,6 @@ BUTTER = "butter"
 LLAMA_SERVER = "llama-server"
 SERVERS = (BUTTER, LLAMA_SERVER)
 WORKLOADS = ("replay", "arrival")
-
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 150, log_path=False)
 
 def jinja_literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
@@ -225,12 +226,9 @@ def butter_spec(cfg: Config, port: int, plan: TemplatePlan) -> ServerSpec:
 def llama_server_spec(cfg: Config, port: int, binary: Path, plan: TemplatePlan) -> ServerSpec:
     """llama-server: with -np N the cache is split into N slots of -c / N tokens unless
     --kv-unified, which lets any slot use all -c cells (a 16k prompt fits)."""
-    argv = [
-        str(binary), "-m", cfg.model, "--host", cfg.host, "--port", str(port),
-        "-np", str(cfg.parallel), "--kv-unified", "-c", str(cfg.kv_size),
-        "-t", str(cfg.threads), "-tb", str(cfg.threads),
-        *plan.llama_server_args,
-    ]  # fmt: skip
+    argv = llama_server_argv(binary, cfg.model, cfg.host, port, slots=cfg.parallel,
+                             threads=cfg.threads, context=cfg.kv_size,
+                             extra=["--kv-unified", *plan.llama_server_args])
     return ServerSpec(LLAMA_SERVER, argv, "/health", [str(binary), "--version"])
 
 
@@ -269,26 +267,13 @@ def bench_argv(cfg: Config, workload: str, base_url: str, model_id: str, replay:
     ]  # fmt: skip
 
 
-def wait_quiet(cfg: Config, pgid: int) -> None:
-    """Up to quiet_wait seconds until other processes use fewer than quiet_threshold
-    cores (two-second windows)."""
-    deadline = time.monotonic() + cfg.quiet_wait
-    while cfg.quiet_threshold > 0:
-        start = cpu_sample(pgid)
-        time.sleep(2.0)
-        other = cpu_window(start, cpu_sample(pgid)).other_cores
-        if other < cfg.quiet_threshold or time.monotonic() >= deadline:
-            return
-        console.log(f"waiting for a quiet machine: other processes use {other:.2f} cores")
-
-
 def run_bench(cfg: Config, name: str, workload: str, argv: list[str], out: Path,
               pgid: int) -> Run:
     """serve-bench as a child process (its output appended to <server>.serve-bench.log)."""
     run = Run(workload, argv)
     out.unlink(missing_ok=True)
     log_path = cfg.log_dir / f"{name}.serve-bench.log"
-    wait_quiet(cfg, pgid)
+    wait_quiet(pgid, cfg.quiet_threshold, cfg.quiet_wait)
     before = cpu_sample(pgid)
     with log_path.open("ab") as log:
         log.write(f"$ {shlex.join(argv)}\n".encode())

@@ -38,13 +38,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare import DEFAULT_LLAMA_SERVER_BIN, md_table, run_meta, wait_ready
-from compare import free_port as _free_port
-from speculation import (
+from benchmarks.harness import DEFAULT_LLAMA_SERVER_BIN, md_table, run_meta, wait_ready
+from benchmarks.harness import free_port as _free_port
+from benchmarks.speculation import (
     HOST,
     WORKLOADS,
     Server,

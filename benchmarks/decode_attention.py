@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
 
-from speculation import source_file
-
+from benchmarks.speculation import source_file
 from butter.backends.base import SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.cpu import this_cpu

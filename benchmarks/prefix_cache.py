@@ -31,15 +31,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare import (
+from benchmarks.harness import (
     DEFAULT_LLAMA_SERVER_BIN,
     SERVE_BENCH,
     ServerSpec,
     free_port,
+    llama_server_argv,
     md_table,
     run_meta,
     running_server,
@@ -59,12 +61,11 @@ def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec
 
 
 def llama_server_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
-    return ServerSpec("llama-server", [
-        str(args.llama_server), "-m", args.model_path, "--host", HOST, "--port", str(port),
-        "-np", "1", "-t", str(args.threads), "-c", str(context),
-        # (with jinja on, "gemma" would be taken as the template's text: RESULTS.md)
-        *(["--no-jinja", "--chat-template", "gemma"] if args.gemma_template else ["--jinja"]),
-    ], "/health")
+    # (with jinja on, "gemma" would be taken as the template's text: RESULTS.md)
+    template = ["--no-jinja", "--chat-template", "gemma"] if args.gemma_template else ["--jinja"]
+    return ServerSpec("llama-server", llama_server_argv(
+        args.llama_server, args.model_path, HOST, port, slots=1, threads=args.threads,
+        context=context, extra=template), "/health")
 
 
 def interleave(base_url: str, model: str, case: dict[str, Any], out: Path,

