@@ -27,9 +27,10 @@ If training runs out of pairs before the real size, the rest is filled with merg
 existing tokens. English tokenizes at ~1.3 tokens per word, like the real tokenizers.
 
 Weights are random normal (std 0.02 for matrices, 1 + N(0, 0.02) for norms, seeded per
-tensor name: same seed, same bytes), written as F16 (norms F32) with ``gguf.GGUFWriter``
-one tensor at a time, then quantized by llama.cpp's own quantizer through
-llama-cpp-python (``llama_model_quantize``, 2 threads). The matrix: Qwen3 shape in
+tensor name: same seed, same bytes), written as F16 (norms F32) one tensor at a time by
+the test suite's GGUF writer (``butter.testing.tiny_gguf``: ``real_vocabulary``,
+``write_real_shape_gguf``), then quantized by llama.cpp's own quantizer through
+llama-cpp-python (``tiny_gguf.quantize_gguf``, 2 threads). The matrix: Qwen3 shape in
 Q4_K_M, Q8_0 and Q6_K; Llama shape in Q4_K_M, Q8_0 and Q5_K_M. In Q4_K_M, Q5_K_M and
 Q6_K files the tied token embedding (the output matrix) is Q6_K, in Q8_0 files Q8_0.
 
@@ -75,15 +76,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gzip
 import hashlib
 import json
-import math
 import os
 import random
-import socket
-import subprocess
 import sys
 import time
 import zlib
@@ -92,13 +89,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
 import gguf
-import numpy as np
+
+from benchmarks.harness import ServerSpec, free_port, running_server, wait_ready
+from butter.backends.gguf_tensors import read_header
+from butter.testing import tiny_gguf
 
 DEFAULT_DIR: Final = Path.home() / ".cache" / "butter-bench" / "models"
 SEED: Final = 0
-MATRIX_STD: Final = 0.02
-NORM_STD: Final = 0.02
 QUANT_THREADS: Final = 2
 
 # --------------------------------------------------------------- tokenizers
@@ -123,188 +124,40 @@ PROSE_ROOTS: Final = ("/usr/share/doc", "/usr/share/vim")
 PROSE_SUFFIXES: Final = (".txt", ".md", ".rst")
 CODE_SUFFIXES: Final = (".py", ".md", ".rst", ".txt")
 
-QWEN3_ADDED: Final = (
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
-    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
-    "<think>", "</think>",
-)  # fmt: skip
-
-
-def llama3_specials() -> list[str]:
-    """Llama 3.1/3.2's 256 special tokens, in id order from 128000."""
-    named = {
-        0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
-        6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>", 9: "<|eot_id|>",
-        10: "<|python_tag|>",
-    }  # fmt: skip
-    out: list[str] = []
-    reserved = 0
-    for offset in range(256):
-        if offset in named:
-            out.append(named[offset])
-        else:
-            out.append(f"<|reserved_special_token_{reserved}|>")
-            reserved += 1
-    return out
-
-
-# ChatML with tools, Qwen style; butter's tiny test model carries the same one.
-def qwen_chat_template() -> str:
-    from butter.testing.tiny_gguf import CHAT_TEMPLATE
-
-    return CHAT_TEMPLATE
-
-
-# Llama 3.1/3.2 style, written for this benchmark in the spirit of Meta's template:
-# the system header with the knowledge and current dates, tools as JSON in the first
-# user turn (or the system turn), calls as {"name", "parameters"} JSON, results in
-# ipython turns.
-LLAMA3_CHAT_TEMPLATE: Final = """\
-{%- macro render_content(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- elif content is iterable -%}
-        {%- for part in content -%}
-            {%- if part is mapping and part.type == 'text' -%}{{- part.text -}}{%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{{- bos_token }}
-{%- if custom_tools is defined %}
-    {%- set tools = custom_tools %}
-{%- endif %}
-{%- if not tools_in_user_message is defined %}
-    {%- set tools_in_user_message = true %}
-{%- endif %}
-{%- if not date_string is defined %}
-    {%- set date_string = "26 Jul 2024" %}
-{%- endif %}
-{%- if not tools is defined %}
-    {%- set tools = none %}
-{%- endif %}
-{%- if messages and messages[0].role == 'system' %}
-    {%- set system_message = render_content(messages[0].content) | trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-{%- set tools_in_user = tools and tools_in_user_message and messages
-    and messages[0].role == 'user' %}
-{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
-{%- if tools %}
-    {{- 'Environment: ipython\\n' }}
-{%- endif %}
-{{- 'Cutting Knowledge Date: December 2023\\n' }}
-{{- 'Today Date: ' + date_string + '\\n\\n' }}
-{%- if tools and not tools_in_user %}
-    {{- 'You have access to the following functions. To call a function, respond with ' }}
-    {{- 'JSON for a function call.\\n' }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of ' }}
-    {{- 'argument name and its value}. Do not use variables.\\n\\n' }}
-    {%- for tool in tools %}
-        {{- tool | tojson(indent=4) + '\\n\\n' }}
-    {%- endfor %}
-{%- endif %}
-{{- system_message + '<|eot_id|>' }}
-{%- if tools_in_user %}
-    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
-    {{- 'Given the following functions, please respond with a JSON for a function call ' }}
-    {{- 'with its proper arguments that best answers the given prompt.\\n\\n' }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of ' }}
-    {{- 'argument name and its value}. Do not use variables.\\n\\n' }}
-    {%- for tool in tools %}
-        {{- tool | tojson(indent=4) + '\\n\\n' }}
-    {%- endfor %}
-    {{- render_content(messages[0].content) | trim + '<|eot_id|>' }}
-    {%- set messages = messages[1:] %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'assistant' and message.tool_calls %}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-        {%- for tool_call in message.tool_calls %}
-            {%- set call = tool_call.function if tool_call.function else tool_call %}
-            {%- if not loop.first %}
-                {{- '\\n' }}
-            {%- endif %}
-            {{- '{"name": "' + call.name + '", "parameters": ' }}
-            {%- if call.arguments is string %}
-                {{- call.arguments }}
-            {%- else %}
-                {{- call.arguments | tojson }}
-            {%- endif %}
-            {{- '}' }}
-        {%- endfor %}
-        {{- '<|eot_id|>' }}
-    {%- elif message.role == 'tool' or message.role == 'ipython' %}
-        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}
-        {%- if message.content is mapping %}
-            {{- message.content | tojson }}
-        {%- else %}
-            {{- render_content(message.content) }}
-        {%- endif %}
-        {{- '<|eot_id|>' }}
-    {%- else %}
-        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
-        {{- render_content(message.content) | trim + '<|eot_id|>' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}
-"""
-
-
 # -------------------------------------------------------------------- shapes
 
 
 @dataclass(frozen=True)
 class Shape:
-    """A real model's architecture, tokenizer layout and the quantizations to write."""
+    """One real model of the matrix: its shape (tiny_gguf's), the size of its BPE vocabulary
+    before the added tokens, llama.cpp's pre-tokenizer name, and the quantizations to write."""
 
     name: str
-    arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_vocab: int
-    n_bpe: int  # byte-level BPE tokens before the added/special ones
-    rope_theta: float
-    rms_eps: float
-    n_ctx_train: int
-    qk_norm: bool
-    llama3_rope: bool
+    model: tiny_gguf.Shape
+    n_bpe: int
     pre: str
     quants: tuple[str, ...]
 
 
 QWEN3_0_6B: Final = Shape(
-    name="qwen3-0.6b-shape", arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8,
-    head_dim=128, n_ff=3072, n_vocab=151_936, n_bpe=151_643, rope_theta=1_000_000.0,
-    rms_eps=1e-6, n_ctx_train=40_960, qk_norm=True, llama3_rope=False, pre="qwen2",
-    quants=("Q4_K_M", "Q8_0", "Q6_K"),
+    name="qwen3-0.6b-shape",
+    model=tiny_gguf.Shape(
+        arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
+        n_ff=3072, n_vocab=151_936, n_ctx_train=40_960, rope_theta=1_000_000.0,
+        rms_eps=1e-6, qk_norm=True,
+    ),
+    n_bpe=151_643, pre="qwen2", quants=("Q4_K_M", "Q8_0", "Q6_K"),
 )  # fmt: skip
 LLAMA32_1B: Final = Shape(
-    name="llama3.2-1b-shape", arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8,
-    head_dim=64, n_ff=8192, n_vocab=128_256, n_bpe=128_000, rope_theta=500_000.0,
-    rms_eps=1e-5, n_ctx_train=131_072, qk_norm=False, llama3_rope=True, pre="llama-bpe",
-    quants=("Q4_K_M", "Q8_0", "Q5_K_M"),
+    name="llama3.2-1b-shape",
+    model=tiny_gguf.Shape(
+        arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, head_dim=64,
+        n_ff=8192, n_vocab=128_256, n_ctx_train=131_072, rope_theta=500_000.0,
+        rms_eps=1e-5, llama3_rope=True,
+    ),
+    n_bpe=128_000, pre="llama-bpe", quants=("Q4_K_M", "Q8_0", "Q5_K_M"),
 )  # fmt: skip
 SHAPES: Final = (QWEN3_0_6B, LLAMA32_1B)
-
-# llama.cpp's ftype numbers (enum llama_ftype).
-FTYPES: Final = {"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
-
-# Llama 3.2's rope scaling (rope_scaling in its config.json).
-LLAMA3_ROPE_FACTOR: Final = 32.0
-LLAMA3_LOW_FREQ_FACTOR: Final = 1.0
-LLAMA3_HIGH_FREQ_FACTOR: Final = 4.0
-LLAMA3_ORIGINAL_CTX: Final = 8192
 
 
 @dataclass(frozen=True)
@@ -543,172 +396,17 @@ def trained_vocab(out_dir: Path, pre: str, n_tokens: int) -> Vocab:
 # ------------------------------------------------------------------- GGUF F16
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, shape: Shape, vocab: Vocab) -> None:
-    """Vocabulary, token types, special ids and chat template in the layout of the
-    real model's GGUF."""
-    tokens = list(vocab.tokens)
-    types = [gguf.TokenType.NORMAL] * len(tokens)
-    if shape.arch == "qwen3":
-        for text in QWEN3_ADDED:
-            tokens.append(text)
-            # convert_hf_to_gguf: special or "<|...|>"-looking added tokens are control
-            # tokens; <tool_call>, <think> and the like are user-defined (always matched).
-            looks_special = text.startswith("<|") and text.endswith("|>")
-            types.append(gguf.TokenType.CONTROL if looks_special else gguf.TokenType.USER_DEFINED)
-        while len(tokens) < shape.n_vocab:
-            tokens.append(f"[PAD{len(tokens)}]")
-            types.append(gguf.TokenType.UNUSED)
-        ids = {text: tokens.index(text) for text in QWEN3_ADDED}
-        fim = {
-            gguf.Keys.Tokenizer.FIM_PRE_ID: "<|fim_prefix|>",
-            gguf.Keys.Tokenizer.FIM_SUF_ID: "<|fim_suffix|>",
-            gguf.Keys.Tokenizer.FIM_MID_ID: "<|fim_middle|>",
-            gguf.Keys.Tokenizer.FIM_PAD_ID: "<|fim_pad|>",
-            gguf.Keys.Tokenizer.FIM_REP_ID: "<|repo_name|>",
-            gguf.Keys.Tokenizer.FIM_SEP_ID: "<|file_sep|>",
-        }
-        for key, text in fim.items():
-            writer.add_uint32(key, ids[text])
-        writer.add_eos_token_id(ids["<|im_end|>"])
-        writer.add_eot_token_id(ids["<|im_end|>"])
-        writer.add_bos_token_id(ids["<|endoftext|>"])
-        writer.add_pad_token_id(ids["<|endoftext|>"])
-        writer.add_add_bos_token(False)
-        template = qwen_chat_template()
-    else:
-        specials = llama3_specials()
-        tokens += specials
-        types += [gguf.TokenType.CONTROL] * len(specials)
-        ids = {text: tokens.index(text) for text in specials[:11]}
-        writer.add_bos_token_id(ids["<|begin_of_text|>"])
-        writer.add_eos_token_id(ids["<|eot_id|>"])
-        writer.add_eot_token_id(ids["<|eot_id|>"])
-        writer.add_eom_token_id(ids["<|eom_id|>"])
-        writer.add_pad_token_id(ids["<|finetune_right_pad_id|>"])
-        writer.add_add_bos_token(True)
-        template = LLAMA3_CHAT_TEMPLATE
-    if len(tokens) != shape.n_vocab:
-        raise AssertionError(f"{shape.name}: {len(tokens)} tokens, want {shape.n_vocab}")
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(shape.pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges([f"{a} {b}" for a, b in vocab.merges])  # "a b" strings
-    writer.add_chat_template(template)
-
-
-def _add_hparams(writer: gguf.GGUFWriter, shape: Shape) -> None:
-    writer.add_name(shape.name)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    writer.add_vocab_size(shape.n_vocab)
-    writer.add_context_length(shape.n_ctx_train)
-    writer.add_embedding_length(shape.n_embd)
-    writer.add_block_count(shape.n_layer)
-    writer.add_feed_forward_length(shape.n_ff)
-    writer.add_head_count(shape.n_head)
-    writer.add_head_count_kv(shape.n_head_kv)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(shape.rms_eps)
-
-
-def llama3_rope_factors(shape: Shape) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """``rope_freqs.weight`` as llama.cpp's converter computes it for llama3 scaling."""
-    dim = shape.head_dim
-    factors: list[float] = []
-    low_wavelen = LLAMA3_ORIGINAL_CTX / LLAMA3_LOW_FREQ_FACTOR
-    high_wavelen = LLAMA3_ORIGINAL_CTX / LLAMA3_HIGH_FREQ_FACTOR
-    for i in range(0, dim, 2):
-        freq = 1.0 / (shape.rope_theta ** (i / dim))
-        wavelen = 2 * math.pi / freq
-        if wavelen < high_wavelen:
-            factors.append(1.0)
-        elif wavelen > low_wavelen:
-            factors.append(LLAMA3_ROPE_FACTOR)
-        else:
-            smooth = (LLAMA3_ORIGINAL_CTX / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
-                LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
-            )
-            factors.append(1.0 / ((1 - smooth) / LLAMA3_ROPE_FACTOR + smooth))
-    return np.asarray(factors, dtype=np.float32)
-
-
-def tensor_plan(shape: Shape) -> list[tuple[str, tuple[int, ...], type[np.floating[Any]]]]:
-    """(name, numpy shape (out, in), dtype) of every tensor, in file order. Tied
-    embeddings: no output.weight."""
-    q_dim, kv_dim = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
-    plan: list[tuple[str, tuple[int, ...], type[np.floating[Any]]]] = [
-        ("token_embd.weight", (shape.n_vocab, shape.n_embd), np.float16),
-    ]
-    if shape.llama3_rope:
-        plan.append(("rope_freqs.weight", (shape.head_dim // 2,), np.float32))
-    for i in range(shape.n_layer):
-        blk = f"blk.{i}"
-        plan += [
-            (f"{blk}.attn_norm.weight", (shape.n_embd,), np.float32),
-            (f"{blk}.attn_q.weight", (q_dim, shape.n_embd), np.float16),
-            (f"{blk}.attn_k.weight", (kv_dim, shape.n_embd), np.float16),
-            (f"{blk}.attn_v.weight", (kv_dim, shape.n_embd), np.float16),
-            (f"{blk}.attn_output.weight", (shape.n_embd, q_dim), np.float16),
-        ]
-        if shape.qk_norm:
-            plan += [
-                (f"{blk}.attn_q_norm.weight", (shape.head_dim,), np.float32),
-                (f"{blk}.attn_k_norm.weight", (shape.head_dim,), np.float32),
-            ]
-        plan += [
-            (f"{blk}.ffn_norm.weight", (shape.n_embd,), np.float32),
-            (f"{blk}.ffn_gate.weight", (shape.n_ff, shape.n_embd), np.float16),
-            (f"{blk}.ffn_up.weight", (shape.n_ff, shape.n_embd), np.float16),
-            (f"{blk}.ffn_down.weight", (shape.n_embd, shape.n_ff), np.float16),
-        ]
-    plan.append(("output_norm.weight", (shape.n_embd,), np.float32))
-    return plan
-
-
-def _tensor(
-    shape: Shape, name: str, dims: tuple[int, ...], dtype: type[np.floating[Any]]
-) -> np.ndarray[Any, Any]:
-    """Deterministic random contents: N(0, 0.02) matrices, 1 + N(0, 0.02) norms."""
-    if name == "rope_freqs.weight":
-        return llama3_rope_factors(shape)
-    rng = np.random.default_rng([SEED, zlib.crc32(name.encode())])
-    if len(dims) == 1:
-        norm = rng.standard_normal(dims, dtype=np.float32) * np.float32(NORM_STD)
-        return (norm + np.float32(1.0)).astype(dtype)
-    out = np.empty(dims, dtype=dtype)
-    rows = max(1, (1 << 24) // dims[1])  # 64 MB of float32 at a time
-    for start in range(0, dims[0], rows):
-        chunk = rng.standard_normal((min(rows, dims[0] - start), dims[1]), dtype=np.float32)
-        chunk *= np.float32(MATRIX_STD)
-        out[start : start + len(chunk)] = chunk
-    return out
-
-
 def write_f16(out_dir: Path, shape: Shape, vocab: Vocab) -> Path:
-    """The F16 GGUF of ``shape``, written one tensor at a time (the largest tensor is
-    the peak memory: 0.5 GB for the Llama shape's embedding)."""
+    """The F16 GGUF of ``shape``, by butter.testing.tiny_gguf's writer: the real model's
+    tokenizer layout around ``vocab``, random weights seeded per tensor name, one tensor at
+    a time (the largest tensor is the peak memory: 0.5 GB for the Llama shape's
+    embedding)."""
     target = f16_path(out_dir, shape)
     if target.exists():
         return target
-    partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch=shape.arch)
-    _add_hparams(writer, shape)
-    _add_tokenizer(writer, shape, vocab)
-    plan = tensor_plan(shape)
-    for name, dims, dtype in plan:
-        nbytes = math.prod(dims) * np.dtype(dtype).itemsize
-        writer.add_tensor_info(name, dims, np.dtype(dtype), nbytes)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for name, dims, dtype in plan:
-        writer.write_tensor_data(_tensor(shape, name, dims, dtype))
-    writer.close()
-    os.replace(partial, target)
-    return target
+    layout = tiny_gguf.real_vocabulary(shape.model, vocab.tokens, vocab.merges, shape.pre)
+    return tiny_gguf.write_real_shape_gguf(target, shape.model, layout, name=shape.name,
+                                           seed=SEED)
 
 
 # ------------------------------------------------------------------ quantize
@@ -732,106 +430,28 @@ def native_output_to(path: Path) -> Iterator[None]:
 
 
 def quantize(source: Path, target: Path, quant: str, threads: int = QUANT_THREADS) -> None:
-    """llama.cpp's quantizer, as ``llama-quantize source target quant threads`` does."""
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[quant]
-    params.nthread = threads
-    partial = target.with_name(target.name + ".partial")
+    """llama.cpp's quantizer (tiny_gguf.quantize_gguf), its log in TARGET.quantize.log."""
     with native_output_to(target.with_name(target.name + ".quantize.log")):
-        rc = llama_cpp.llama_model_quantize(
-            str(source).encode(), str(partial).encode(), ctypes.byref(params)
-        )
-    if rc != 0:
-        partial.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize({source.name} -> {quant}) returned {rc}")
-    os.replace(partial, target)
+        tiny_gguf.quantize_gguf(source, target, quant, threads=threads)
 
 
 # --------------------------------------------------------------------- build
 
 
-# GGUF value types: struct formats of the scalars; 8 is a string, 9 an array.
-_GGUF_SCALARS: Final = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?",
-                        10: "Q", 11: "q", 12: "d"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class GgufHeader:
-    """A GGUF file's metadata (arrays as their length) and tensor types by name."""
-
-    fields: dict[str, Any]
-    tensor_types: dict[str, str]
-
-
-def gguf_header(path: Path) -> GgufHeader:
-    """Read the header only: gguf.GGUFReader takes seconds on a 150k-token vocabulary,
-    this takes milliseconds."""
-    import mmap
-    import struct
-
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            (value,) = struct.unpack_from("<" + fmt, buf, pos)
-            pos += struct.calcsize("<" + fmt)
-            return value
-
-        def string() -> str:
-            nonlocal pos
-            size = take("Q")
-            pos += size
-            return bytes(buf[pos - size : pos]).decode("utf-8", errors="replace")
-
-        def value(kind: int) -> Any:
-            nonlocal pos
-            if kind == 8:
-                return string()
-            if kind == 9:
-                item, count = take("I"), take("Q")
-                if item in _GGUF_SCALARS:
-                    pos += count * struct.calcsize("<" + _GGUF_SCALARS[item])
-                else:
-                    for _ in range(count):
-                        value(item)
-                return count
-            return take(_GGUF_SCALARS[kind])
-
-        if bytes(buf[:4]) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        pos = 4
-        take("I")  # version
-        n_tensors, n_kv = take("Q"), take("Q")
-        fields: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = string()
-            fields[key] = value(take("I"))
-        types: dict[str, str] = {}
-        for _ in range(n_tensors):
-            name = string()
-            n_dims = take("I")
-            pos += 8 * n_dims
-            types[name] = gguf.GGMLQuantizationType(take("I")).name
-            take("Q")  # offset
-    return GgufHeader(fields, types)
-
-
 def tensor_types(path: Path) -> dict[str, str]:
     """Type names of the output projection (output.weight, or the tied token
     embedding) and of the token embedding."""
-    types = gguf_header(path).tensor_types
+    tensors = read_header(path).tensors
+    output = tensors.get("output.weight", tensors["token_embd.weight"])
     return {
-        "output": types.get("output.weight", types["token_embd.weight"]),
-        "token_embd": types["token_embd.weight"],
+        "output": gguf.GGMLQuantizationType(output.ggml_type).name,
+        "token_embd": gguf.GGMLQuantizationType(tensors["token_embd.weight"].ggml_type).name,
     }
 
 
 def has_chat_template(path: Path) -> bool:
     """Whether the GGUF carries ``tokenizer.chat_template``."""
-    return gguf.Keys.Tokenizer.CHAT_TEMPLATE in gguf_header(path).fields
+    return gguf.Keys.Tokenizer.CHAT_TEMPLATE in read_header(path).keys
 
 
 def build(
@@ -946,28 +566,16 @@ def check_serve(path: Path, timeout: float = 300.0) -> dict[str, Any]:
     completion; the server is stopped afterwards."""
     import httpx
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "butter.cli", "serve", "--model", str(path),
             "--host", "127.0.0.1", "--port", str(port), "--threads", "2"]  # fmt: skip
     log_path = path.with_name(path.name + ".serve.log")
     base = f"http://127.0.0.1:{port}"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
-    try:
-        start = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"butter serve exited with {proc.returncode}, see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(base + "/health", timeout=2.0).status_code == 200:
-                    break
-            if time.monotonic() - start > timeout:
-                raise TimeoutError(f"butter serve not ready after {timeout:.0f} s")
-            time.sleep(0.5)
-        ready_s = time.monotonic() - start
+    with running_server(ServerSpec("butter", argv, "/health"), log_path) as proc:
+        try:
+            ready_s = wait_ready(proc, base, "/health", timeout)
+        except RuntimeError as exc:
+            raise RuntimeError(f"butter serve: {exc}, see {log_path}") from None
         model_id = httpx.get(base + "/v1/models", timeout=10.0).json()["data"][0]["id"]
         body = {
             "model": model_id,
@@ -984,13 +592,6 @@ def check_serve(path: Path, timeout: float = 300.0) -> dict[str, Any]:
             "finish_reason": answer["choices"][0]["finish_reason"],
             "content": answer["choices"][0]["message"].get("content"),
         }
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def describe(model: MatrixModel) -> dict[str, Any]:

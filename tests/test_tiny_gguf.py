@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 from collections.abc import Iterator
 
+import gguf
 import jinja2.sandbox
 import llama_cpp
 import pytest
@@ -146,3 +147,74 @@ def test_chat_template_renders_tools() -> None:
     ) in text
     assert "<|im_start|>user\n<tool_response>\n21C\n</tool_response><|im_end|>\n" in text
     assert text.endswith("<|im_start|>assistant\n")
+
+
+# --- real shapes: the writer benchmarks/model_matrix.py uses ------------------------
+
+# The layouts of Qwen3-0.6B and Llama-3.2-1B at a few hundredths of their size: hidden size
+# 256 so that llama.cpp's quantizer can use K-quants, the tiny BPE inside each real
+# tokenizer layout (Qwen3's added tokens and [PAD] up to the size, Llama 3's 256 specials).
+N_BPE = len(tiny_gguf.tiny_bpe()[0])
+SMALL_SHAPES = {
+    "qwen3": tiny_gguf.Shape(
+        arch="qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
+        n_vocab=N_BPE + len(tiny_gguf.QWEN3_ADDED) + 10, n_ctx_train=40_960,
+        rope_theta=1_000_000.0, rms_eps=1e-6, qk_norm=True),
+    "llama": tiny_gguf.Shape(
+        arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
+        n_vocab=N_BPE + 256, n_ctx_train=131_072, rope_theta=500_000.0, rms_eps=1e-5,
+        llama3_rope=True),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SMALL_SHAPES))
+def test_a_real_shape_written_f16_and_quantized_by_llama_cpp_loads(
+    tmp_path: pathlib.Path, arch: str
+) -> None:
+    """write_real_shape_gguf's F16 file, turned into Q4_K_M by llama.cpp's quantizer, loads in
+    llama.cpp with the shape, tokenizer layout and K-quant mix of the real model's file."""
+    from butter.backends.gguf_tensors import read_header
+
+    shape = SMALL_SHAPES[arch]
+    bpe, merges = tiny_gguf.tiny_bpe()
+    vocab = tiny_gguf.real_vocabulary(shape, bpe, merges, "qwen2" if arch == "qwen3" else
+                                      "llama-bpe")
+    f16 = tiny_gguf.write_real_shape_gguf(tmp_path / "f16.gguf", shape, vocab, name=arch)
+    q4 = tiny_gguf.quantize_gguf(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", threads=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f16.gguf", "q4_k_m.gguf"]
+
+    keys = ["general.architecture", "general.file_type", f"{arch}.block_count",
+            f"{arch}.embedding_length", f"{arch}.vocab_size", f"{arch}.rope.dimension_count",
+            "tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token"]
+    header = read_header(q4, keys=keys)
+    assert header.metadata == {
+        "general.architecture": arch, "general.file_type": 15, f"{arch}.block_count": 2,
+        f"{arch}.embedding_length": 256, f"{arch}.vocab_size": shape.n_vocab,
+        f"{arch}.rope.dimension_count": 64, "tokenizer.ggml.pre": vocab.pre,
+        "tokenizer.ggml.add_bos_token": arch == "llama",
+    }
+    types = {name: gguf.GGMLQuantizationType(t.ggml_type).name
+             for name, t in header.tensors.items()}
+    assert "output.weight" not in types  # tied, as in both real models
+    assert types["token_embd.weight"] == "Q6_K"  # llama.cpp's Q4_K_M mix for the output
+    assert types["blk.0.attn_q.weight"] == "Q4_K"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+    assert ("blk.1.attn_k_norm.weight" in types) == (arch == "qwen3")
+    assert ("rope_freqs.weight" in types) == (arch == "llama")
+
+    llm = llama_cpp.Llama(model_path=str(q4), n_ctx=128, n_threads=1, verbose=False)
+    try:
+        assert llm.n_vocab() == shape.n_vocab
+        assert llm.n_embd() == 256
+        assert llm.token_eos() == vocab.eos
+        assert llm.metadata["tokenizer.chat_template"] == vocab.chat_template
+        tokens = llm.tokenize(b"Hello world", add_bos=True)
+        assert (tokens[0] == vocab.bos) == (arch == "llama")
+        generated = []
+        for token in llm.generate(tokens, temp=0.0, top_k=1):
+            generated.append(token)
+            if len(generated) == 4:
+                break
+        assert len(generated) == 4
+    finally:
+        llm.close()

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import pathlib
-from typing import Final
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
 
 import gguf
 import numpy as np
@@ -256,6 +260,13 @@ def build_tiny_tokenizer() -> Tokenizer:
     return tokenizer
 
 
+def tiny_bpe() -> tuple[list[str], list[tuple[str, str]]]:
+    """The tiny model's byte-level BPE alone: its tokens by id (the 256 byte symbols
+    first) and its merges in rank order, without the control and user-defined tokens."""
+    tokens, merges = _trained_vocab()
+    return list(tokens), list(merges)
+
+
 def tiny_vocab() -> list[str]:
     """All token texts of the tiny model, indexed by token id."""
     tokens, _ = _trained_vocab()
@@ -336,29 +347,163 @@ def _all_tensors(seed: int, n_vocab: int, n_embd: int = N_EMBD) -> dict[str, F32
     return tensors
 
 
-# --- GGUF writing ------------------------------------------------------------
+# --- GGUF writing: any shape ------------------------------------------------------
+
+# How a tensor is stored: F32, F16, or a type gguf-py quantizes (Q8_0, Q4_0, ...).
+GgmlType = gguf.GGMLQuantizationType
+FLOAT_TYPES: Final[dict[Any, type[np.floating[Any]]]] = {
+    GgmlType.F32: np.float32, GgmlType.F16: np.float16}
 
 
-def _add_hparams(
-    writer: gguf.GGUFWriter, name: str, n_ctx_train: int, file_type: gguf.LlamaFileType,
-    n_embd: int = N_EMBD,
-) -> None:
+@dataclass(frozen=True)
+class Shape:
+    """A transformer's hyperparameters, as llama.cpp reads them for the ``qwen3`` and
+    ``llama`` architectures: the tiny model's, and real models' (benchmarks/model_matrix.py
+    writes random-weight files of Qwen3-0.6B's and Llama-3.2-1B's exact shapes)."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_theta: float
+    rms_eps: float
+    qk_norm: bool = False  # per-head RMS norms of q and k (Qwen3)
+    llama3_rope: bool = False  # Llama 3.1's rope scaling, stored as rope_freqs.weight
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A byte-level BPE tokenizer (llama.cpp's ``gpt2`` model) as GGUF metadata."""
+
+    tokens: Sequence[str]  # by id
+    types: Sequence[int]  # gguf.TokenType of each token
+    merges: Sequence[tuple[str, str]]  # in rank order
+    pre: str  # llama.cpp's pre-tokenizer name: "qwen2", "llama-bpe", ...
+    bos: int
+    eos: int
+    eot: int
+    pad: int
+    add_bos: bool
+    chat_template: str
+    eom: int | None = None
+    fim: Mapping[str, int] = field(default_factory=dict)  # a FIM_* metadata key: its token
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a file: its numpy shape ((out, in): GGUF's ne reversed), how it is
+    stored, and a function that makes its values when it is written, so that a large
+    model is never in memory all at once."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: Any  # a GgmlType
+    values: Callable[[], npt.NDArray[Any]]
+
+
+def _add_hparams(writer: gguf.GGUFWriter, shape: Shape, name: str,
+                 file_type: gguf.LlamaFileType, *, full: bool) -> None:
+    """The architecture's keys. ``full`` adds what llama.cpp's converter writes and the
+    tiny model leaves out (its bytes stay as they were): the vocabulary size and the rope
+    dimension count."""
     writer.add_name(name)
     writer.add_file_type(file_type)
-    writer.add_context_length(n_ctx_train)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(N_LAYER)
-    writer.add_feed_forward_length(N_FF * n_embd // N_EMBD)
-    writer.add_head_count(N_HEAD)
-    writer.add_head_count_kv(N_HEAD_KV)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
-    writer.add_rope_freq_base(ROPE_THETA)
-    writer.add_layer_norm_rms_eps(RMS_EPS)
+    if full:
+        writer.add_vocab_size(shape.n_vocab)
+    writer.add_context_length(shape.n_ctx_train)
+    writer.add_embedding_length(shape.n_embd)
+    writer.add_block_count(shape.n_layer)
+    writer.add_feed_forward_length(shape.n_ff)
+    writer.add_head_count(shape.n_head)
+    writer.add_head_count_kv(shape.n_head_kv)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    if full:
+        writer.add_rope_dimension_count(shape.head_dim)
+    writer.add_rope_freq_base(shape.rope_theta)
+    writer.add_layer_norm_rms_eps(shape.rms_eps)
 
 
-def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str, *, fim: bool) -> None:
-    """Vocabulary and special-token metadata in the layout of Qwen's GGUFs."""
+def _add_vocabulary(writer: gguf.GGUFWriter, vocab: Vocabulary) -> None:
+    """Vocabulary, token types, merges, special ids and chat template, in the layout of
+    the real models' GGUFs."""
+    for key, token in vocab.fim.items():
+        writer.add_uint32(key, token)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(list(vocab.tokens))
+    writer.add_token_types(list(vocab.types))
+    writer.add_token_merges([f"{a} {b}" for a, b in vocab.merges])  # GGUF stores "a b"
+    writer.add_eos_token_id(vocab.eos)
+    writer.add_eot_token_id(vocab.eot)
+    if vocab.eom is not None:
+        writer.add_eom_token_id(vocab.eom)
+    writer.add_bos_token_id(vocab.bos)
+    writer.add_pad_token_id(vocab.pad)
+    writer.add_add_bos_token(vocab.add_bos)
+    writer.add_chat_template(vocab.chat_template)
+
+
+def _stored(tensor: Tensor) -> npt.NDArray[Any]:
+    """The tensor's bytes as the file stores them."""
+    values = tensor.values()
+    if tensor.ggml_type in FLOAT_TYPES:
+        return np.asarray(values, dtype=FLOAT_TYPES[tensor.ggml_type])
+    quantized: npt.NDArray[Any] = gguf.quants.quantize(
+        np.asarray(values, dtype=np.float32), tensor.ggml_type)
+    return quantized
+
+
+def write_gguf(
+    path: str | os.PathLike[str], shape: Shape, vocab: Vocabulary, tensors: Sequence[Tensor],
+    *, name: str, file_type: gguf.LlamaFileType, full_header: bool = True,
+) -> pathlib.Path:
+    """Write a GGUF of ``shape`` with ``vocab`` and ``tensors`` (in that order), one tensor
+    at a time, under a ``.partial`` name renamed into place (a reader never sees a
+    half-written model)."""
+    target = pathlib.Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch=shape.arch)
+    _add_hparams(writer, shape, name, file_type, full=full_header)
+    _add_vocabulary(writer, vocab)
+    for tensor in tensors:
+        if tensor.ggml_type in FLOAT_TYPES:
+            dtype = np.dtype(FLOAT_TYPES[tensor.ggml_type])
+            writer.add_tensor_info(tensor.name, tensor.shape, dtype,
+                                   math.prod(tensor.shape) * dtype.itemsize)
+        else:
+            stored = gguf.quants.quant_shape_to_byte_shape(tensor.shape, tensor.ggml_type)
+            writer.add_tensor_info(tensor.name, stored, np.dtype(np.uint8), math.prod(stored),
+                                   raw_dtype=tensor.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in tensors:
+        writer.write_tensor_data(_stored(tensor))
+    writer.close()
+    os.replace(partial, target)
+    return target
+
+
+# --- the tiny model ---------------------------------------------------------------
+
+
+def tiny_shape(*, width: int = N_EMBD, n_ctx_train: int = 4096, fim: bool = False) -> Shape:
+    """The tiny Qwen3's shape at hidden size ``width`` (the FFN scales with it)."""
+    n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0)
+    return Shape("qwen3", N_LAYER, width, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF * width // N_EMBD,
+                 n_vocab, n_ctx_train, ROPE_THETA, RMS_EPS, qk_norm=True)
+
+
+def tiny_vocabulary(chat_template: str = CHAT_TEMPLATE, *, fim: bool = False) -> Vocabulary:
+    """The tiny model's tokenizer, in the layout of Qwen's GGUFs: <|im_end|> ends a chat
+    turn (eos and eot); <|endoftext|> is bos/pad and llama.cpp also treats it as
+    end-of-generation by name. With ``fim``, the FIM tokens follow, named in the metadata."""
     _, merges = _trained_vocab()
     vocab = tiny_vocab()
     ids = special_token_ids()
@@ -368,26 +513,16 @@ def _add_tokenizer(writer: gguf.GGUFWriter, chat_template: str, *, fim: bool) ->
         + [gguf.TokenType.CONTROL] * len(CONTROL_TOKENS)
         + [gguf.TokenType.USER_DEFINED] * len(USER_DEFINED_TOKENS)
     )
+    fim_ids: dict[str, int] = {}
     if fim:
-        fim_ids = range(len(vocab), len(vocab) + len(FIM_TOKENS))
+        keys = (gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
+                gguf.Keys.Tokenizer.FIM_MID_ID)
+        fim_ids = dict(zip(keys, range(len(vocab), len(vocab) + len(FIM_TOKENS)), strict=True))
         vocab = [*vocab, *FIM_TOKENS]
         token_types += [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
-        for key, token in zip((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
-                               gguf.Keys.Tokenizer.FIM_MID_ID), fim_ids, strict=True):
-            writer.add_uint32(key, token)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(vocab)
-    writer.add_token_types(token_types)
-    writer.add_token_merges([f"{a} {b}" for a, b in merges])  # GGUF stores "a b" strings
-    # Qwen's layout: <|im_end|> ends a chat turn (eos and eot); <|endoftext|>
-    # is bos/pad and llama.cpp also treats it as end-of-generation by name.
-    writer.add_eos_token_id(ids[IM_END])
-    writer.add_eot_token_id(ids[IM_END])
-    writer.add_bos_token_id(ids[ENDOFTEXT])
-    writer.add_pad_token_id(ids[ENDOFTEXT])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(chat_template)
+    return Vocabulary(vocab, token_types, merges, "qwen2", bos=ids[ENDOFTEXT], eos=ids[IM_END],
+                      eot=ids[IM_END], pad=ids[ENDOFTEXT], add_bos=False,
+                      chat_template=chat_template, fim=fim_ids)
 
 
 def _finish_file(writer: gguf.GGUFWriter, partial: pathlib.Path,
@@ -431,23 +566,23 @@ def write_tiny_qwen3_gguf(
     its interleaved x86 kernels when weight repacking is on. ``width`` sets the hidden
     size (the FFN scales with it): 256 or more lets llama.cpp's quantizer use K-quants.
     """
-    target = pathlib.Path(path)
-    partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch="qwen3")
+    shape = tiny_shape(width=width, n_ctx_train=n_ctx_train, fim=fim)
+    vocab = tiny_vocabulary(CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
     file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
-    layer_type = gguf.GGMLQuantizationType.Q4_0 if q4_0 else gguf.GGMLQuantizationType.Q8_0
-    _add_hparams(writer, name, n_ctx_train, file_type, width)
-    _add_tokenizer(writer, CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
-    n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0)
-    for tensor_name, tensor in _all_tensors(seed, n_vocab, width).items():
+    layer_type = GgmlType.Q4_0 if q4_0 else GgmlType.Q8_0
+
+    def stored_as(tensor_name: str, tensor: F32Array) -> Any:
         if f16_output and tensor_name == "output.weight":
-            writer.add_tensor(tensor_name, tensor.astype(np.float16))
-        elif quantize and tensor.ndim == 2:
-            qtype = layer_type if tensor_name.startswith("blk.") else gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(tensor_name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor_name, tensor)
-    return _finish_file(writer, partial, target)
+            return GgmlType.F16
+        if quantize and tensor.ndim == 2:
+            return layer_type if tensor_name.startswith("blk.") else GgmlType.Q8_0
+        return GgmlType.F32
+
+    tensors = [Tensor(tensor_name, tensor.shape, stored_as(tensor_name, tensor),
+                      functools.partial(np.asarray, tensor))
+               for tensor_name, tensor in _all_tensors(seed, shape.n_vocab, width).items()]
+    return write_gguf(path, shape, vocab, tensors, name=name, file_type=file_type,
+                      full_header=False)
 
 
 # --- a recurrent model -------------------------------------------------------
@@ -496,7 +631,7 @@ def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
     writer.add_ssm_inner_size(MAMBA_D_INNER)
     writer.add_ssm_state_size(MAMBA_D_STATE)
     writer.add_ssm_time_step_rank(MAMBA_DT_RANK)
-    _add_tokenizer(writer, CHAT_TEMPLATE, fim=False)
+    _add_vocabulary(writer, tiny_vocabulary())
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab())
     tensors = {"token_embd.weight": _normal(rng, (n_vocab, N_EMBD), 1.0)}
@@ -512,3 +647,309 @@ def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
         else:
             writer.add_tensor(name, tensor)
     return _finish_file(writer, partial, target)
+
+
+# --- real shapes ------------------------------------------------------------------
+#
+# benchmarks/model_matrix.py writes random-weight files with the exact shapes of real
+# models (Qwen3-0.6B, Llama-3.2-1B), their tokenizers' layout included, through the same
+# writer: F16 here, then llama.cpp's own quantizer (quantize_gguf) for the K-quant mixes.
+
+# Qwen3's added tokens, in id order after its BPE vocabulary.
+QWEN3_ADDED: Final = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>",
+    "<|object_ref_end|>", "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>",
+    "<think>", "</think>",
+)  # fmt: skip
+
+
+def llama3_specials() -> list[str]:
+    """Llama 3.1/3.2's 256 special tokens, in id order from 128000."""
+    named = {
+        0: "<|begin_of_text|>", 1: "<|end_of_text|>", 4: "<|finetune_right_pad_id|>",
+        6: "<|start_header_id|>", 7: "<|end_header_id|>", 8: "<|eom_id|>", 9: "<|eot_id|>",
+        10: "<|python_tag|>",
+    }  # fmt: skip
+    out: list[str] = []
+    reserved = 0
+    for offset in range(256):
+        if offset in named:
+            out.append(named[offset])
+        else:
+            out.append(f"<|reserved_special_token_{reserved}|>")
+            reserved += 1
+    return out
+
+
+# Llama 3.1/3.2 style, written for the benchmarks in the spirit of Meta's template: the
+# system header with the knowledge and current dates, tools as JSON in the first user turn
+# (or the system turn), calls as {"name", "parameters"} JSON, results in ipython turns.
+LLAMA3_CHAT_TEMPLATE: Final = """\
+{%- macro render_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part is mapping and part.type == 'text' -%}{{- part.text -}}{%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not tools_in_user_message is defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- set date_string = "26 Jul 2024" %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages and messages[0].role == 'system' %}
+    {%- set system_message = render_content(messages[0].content) | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{%- set tools_in_user = tools and tools_in_user_message and messages
+    and messages[0].role == 'user' %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
+{%- if tools %}
+    {{- 'Environment: ipython\\n' }}
+{%- endif %}
+{{- 'Cutting Knowledge Date: December 2023\\n' }}
+{{- 'Today Date: ' + date_string + '\\n\\n' }}
+{%- if tools and not tools_in_user %}
+    {{- 'You have access to the following functions. To call a function, respond with ' }}
+    {{- 'JSON for a function call.\\n' }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of ' }}
+    {{- 'argument name and its value}. Do not use variables.\\n\\n' }}
+    {%- for tool in tools %}
+        {{- tool | tojson(indent=4) + '\\n\\n' }}
+    {%- endfor %}
+{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- if tools_in_user %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
+    {{- 'Given the following functions, please respond with a JSON for a function call ' }}
+    {{- 'with its proper arguments that best answers the given prompt.\\n\\n' }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of ' }}
+    {{- 'argument name and its value}. Do not use variables.\\n\\n' }}
+    {%- for tool in tools %}
+        {{- tool | tojson(indent=4) + '\\n\\n' }}
+    {%- endfor %}
+    {{- render_content(messages[0].content) | trim + '<|eot_id|>' }}
+    {%- set messages = messages[1:] %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'assistant' and message.tool_calls %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set call = tool_call.function if tool_call.function else tool_call %}
+            {%- if not loop.first %}
+                {{- '\\n' }}
+            {%- endif %}
+            {{- '{"name": "' + call.name + '", "parameters": ' }}
+            {%- if call.arguments is string %}
+                {{- call.arguments }}
+            {%- else %}
+                {{- call.arguments | tojson }}
+            {%- endif %}
+            {{- '}' }}
+        {%- endfor %}
+        {{- '<|eot_id|>' }}
+    {%- elif message.role == 'tool' or message.role == 'ipython' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}
+        {%- if message.content is mapping %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- render_content(message.content) }}
+        {%- endif %}
+        {{- '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
+        {{- render_content(message.content) | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+# Llama 3.2's rope scaling (rope_scaling in its config.json).
+LLAMA3_ROPE_FACTOR: Final = 32.0
+LLAMA3_LOW_FREQ_FACTOR: Final = 1.0
+LLAMA3_HIGH_FREQ_FACTOR: Final = 4.0
+LLAMA3_ORIGINAL_CTX: Final = 8192
+
+# Random weights of real shapes: N(0, 0.02) matrices, 1 + N(0, 0.02) norms.
+REAL_MATRIX_STD: Final = 0.02
+REAL_NORM_STD: Final = 0.02
+
+# llama.cpp's ftype numbers (enum llama_ftype) for quantize_gguf.
+QUANT_FTYPES: Final = {"Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18}
+
+
+def real_vocabulary(shape: Shape, bpe: Sequence[str], merges: Sequence[tuple[str, str]],
+                    pre: str) -> Vocabulary:
+    """A BPE vocabulary (``bpe``: its tokens by id, bytes first) completed the way the real
+    model's GGUF is: for ``qwen3``, Qwen3's added tokens (``<|...|>`` ones control tokens,
+    ``<tool_call>``, ``<think>`` and the like user-defined, as llama.cpp's converter types
+    them) and ``[PAD…]`` tokens up to ``shape.n_vocab``, eos ``<|im_end|>``, no BOS added,
+    the tiny model's ChatML template; for ``llama``, Llama 3.1's 256 special tokens, BOS
+    added, eos/eot ``<|eot_id|>``, eom ``<|eom_id|>``, a Llama-3-style template."""
+    tokens = list(bpe)
+    types: list[int] = [gguf.TokenType.NORMAL] * len(tokens)
+    if shape.arch == "qwen3":
+        for text in QWEN3_ADDED:
+            tokens.append(text)
+            looks_special = text.startswith("<|") and text.endswith("|>")
+            types.append(gguf.TokenType.CONTROL if looks_special else gguf.TokenType.USER_DEFINED)
+        while len(tokens) < shape.n_vocab:
+            tokens.append(f"[PAD{len(tokens)}]")
+            types.append(gguf.TokenType.UNUSED)
+        ids = {text: tokens.index(text) for text in QWEN3_ADDED}
+        fim = {
+            gguf.Keys.Tokenizer.FIM_PRE_ID: ids["<|fim_prefix|>"],
+            gguf.Keys.Tokenizer.FIM_SUF_ID: ids["<|fim_suffix|>"],
+            gguf.Keys.Tokenizer.FIM_MID_ID: ids["<|fim_middle|>"],
+            gguf.Keys.Tokenizer.FIM_PAD_ID: ids["<|fim_pad|>"],
+            gguf.Keys.Tokenizer.FIM_REP_ID: ids["<|repo_name|>"],
+            gguf.Keys.Tokenizer.FIM_SEP_ID: ids["<|file_sep|>"],
+        }
+        vocab = Vocabulary(tokens, types, merges, pre, bos=ids["<|endoftext|>"],
+                           eos=ids["<|im_end|>"], eot=ids["<|im_end|>"],
+                           pad=ids["<|endoftext|>"], add_bos=False,
+                           chat_template=CHAT_TEMPLATE, fim=fim)
+    elif shape.arch == "llama":
+        specials = llama3_specials()
+        first = len(tokens)
+        tokens += specials
+        types += [gguf.TokenType.CONTROL] * len(specials)
+        ids = {text: first + offset for offset, text in enumerate(specials[:11])}
+        vocab = Vocabulary(tokens, types, merges, pre, bos=ids["<|begin_of_text|>"],
+                           eos=ids["<|eot_id|>"], eot=ids["<|eot_id|>"],
+                           eom=ids["<|eom_id|>"], pad=ids["<|finetune_right_pad_id|>"],
+                           add_bos=True, chat_template=LLAMA3_CHAT_TEMPLATE)
+    else:
+        raise ValueError(f"no real tokenizer layout for arch {shape.arch!r}")
+    if len(tokens) != shape.n_vocab:
+        raise ValueError(f"{len(tokens)} tokens, the shape has {shape.n_vocab}")
+    return vocab
+
+
+def llama3_rope_factors(shape: Shape) -> F32Array:
+    """``rope_freqs.weight`` as llama.cpp's converter computes it for llama3 scaling."""
+    dim = shape.head_dim
+    factors: list[float] = []
+    low_wavelen = LLAMA3_ORIGINAL_CTX / LLAMA3_LOW_FREQ_FACTOR
+    high_wavelen = LLAMA3_ORIGINAL_CTX / LLAMA3_HIGH_FREQ_FACTOR
+    for i in range(0, dim, 2):
+        freq = 1.0 / (shape.rope_theta ** (i / dim))
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(LLAMA3_ROPE_FACTOR)
+        else:
+            smooth = (LLAMA3_ORIGINAL_CTX / wavelen - LLAMA3_LOW_FREQ_FACTOR) / (
+                LLAMA3_HIGH_FREQ_FACTOR - LLAMA3_LOW_FREQ_FACTOR
+            )
+            factors.append(1.0 / ((1 - smooth) / LLAMA3_ROPE_FACTOR + smooth))
+    return np.asarray(factors, dtype=np.float32)
+
+
+def _seeded_values(name: str, dims: tuple[int, ...], dtype: type[np.floating[Any]],
+                   seed: int) -> npt.NDArray[Any]:
+    """Deterministic random contents, seeded by the tensor's name: N(0, 0.02) matrices
+    (filled 64 MB of float32 at a time), 1 + N(0, 0.02) norms."""
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    if len(dims) == 1:
+        norm = rng.standard_normal(dims, dtype=np.float32) * np.float32(REAL_NORM_STD)
+        return (norm + np.float32(1.0)).astype(dtype)
+    out = np.empty(dims, dtype=dtype)
+    rows = max(1, (1 << 24) // dims[1])
+    for start in range(0, dims[0], rows):
+        chunk = rng.standard_normal((min(rows, dims[0] - start), dims[1]), dtype=np.float32)
+        chunk *= np.float32(REAL_MATRIX_STD)
+        out[start : start + len(chunk)] = chunk
+    return out
+
+
+def real_tensors(shape: Shape, *, seed: int = 0) -> list[Tensor]:
+    """Every tensor of ``shape`` in the converter's order: matrices F16, norms (and
+    llama3's rope factors) F32, the output matrix tied to the token embedding (no
+    output.weight), as in both real models."""
+    q_dim, kv_dim = shape.n_head * shape.head_dim, shape.n_head_kv * shape.head_dim
+    f16, f32 = GgmlType.F16, GgmlType.F32
+    plan: list[tuple[str, tuple[int, ...], Any]] = [
+        ("token_embd.weight", (shape.n_vocab, shape.n_embd), f16),
+    ]
+    if shape.llama3_rope:
+        plan.append(("rope_freqs.weight", (shape.head_dim // 2,), f32))
+    for i in range(shape.n_layer):
+        blk = f"blk.{i}"
+        plan += [
+            (f"{blk}.attn_norm.weight", (shape.n_embd,), f32),
+            (f"{blk}.attn_q.weight", (q_dim, shape.n_embd), f16),
+            (f"{blk}.attn_k.weight", (kv_dim, shape.n_embd), f16),
+            (f"{blk}.attn_v.weight", (kv_dim, shape.n_embd), f16),
+            (f"{blk}.attn_output.weight", (shape.n_embd, q_dim), f16),
+        ]
+        if shape.qk_norm:
+            plan += [
+                (f"{blk}.attn_q_norm.weight", (shape.head_dim,), f32),
+                (f"{blk}.attn_k_norm.weight", (shape.head_dim,), f32),
+            ]
+        plan += [
+            (f"{blk}.ffn_norm.weight", (shape.n_embd,), f32),
+            (f"{blk}.ffn_gate.weight", (shape.n_ff, shape.n_embd), f16),
+            (f"{blk}.ffn_up.weight", (shape.n_ff, shape.n_embd), f16),
+            (f"{blk}.ffn_down.weight", (shape.n_embd, shape.n_ff), f16),
+        ]
+    plan.append(("output_norm.weight", (shape.n_embd,), f32))
+
+    def values(name: str, dims: tuple[int, ...], ggml_type: Any) -> Callable[[], Any]:
+        if name == "rope_freqs.weight":
+            return functools.partial(llama3_rope_factors, shape)
+        return functools.partial(_seeded_values, name, dims, FLOAT_TYPES[ggml_type], seed)
+
+    return [Tensor(name, dims, ggml_type, values(name, dims, ggml_type))
+            for name, dims, ggml_type in plan]
+
+
+def write_real_shape_gguf(path: str | os.PathLike[str], shape: Shape, vocab: Vocabulary, *,
+                          name: str, seed: int = 0) -> pathlib.Path:
+    """A random-weight F16 GGUF of ``shape`` with ``vocab`` (see real_vocabulary), written
+    one tensor at a time: the largest tensor is the peak memory. quantize_gguf turns it
+    into the quantized files people run."""
+    return write_gguf(path, shape, vocab, real_tensors(shape, seed=seed), name=name,
+                      file_type=gguf.LlamaFileType.MOSTLY_F16)
+
+
+def quantize_gguf(source: str | os.PathLike[str], target: str | os.PathLike[str], quant: str,
+                  *, threads: int = 2) -> pathlib.Path:
+    """llama.cpp's own quantizer, as ``llama-quantize SOURCE TARGET QUANT THREADS`` runs
+    it: ``quant`` one of QUANT_FTYPES, whose mixes (which tensor gets which type) are
+    llama.cpp's. Written under a ``.partial`` name and renamed into place."""
+    import ctypes
+
+    import llama_cpp
+
+    target_path = pathlib.Path(target)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = QUANT_FTYPES[quant]
+    params.nthread = threads
+    partial = target_path.with_name(target_path.name + ".partial")
+    rc = llama_cpp.llama_model_quantize(
+        str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if rc != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({source} -> {quant}) returned {rc}")
+    os.replace(partial, target_path)
+    return target_path
