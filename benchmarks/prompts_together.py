@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Several long prompts prefilled together, on the real engine: chunks in equal shares of
 the step (what the planner gave before) against chunks cut to whole 64-row tiles (what it
-gives on llama.cpp's CPU backend now, `butter/engine/scheduler.py` `_whole_tiles`).
+gives on llama.cpp's CPU backend now, `butter/engine/step_plan.py` `_whole_tiles`).
 
 llama.cpp's CPU flash attention evaluates prompt rows in tiles of 64 batch rows and skips
 a block of the cache only where the whole tile is masked from it, so a tile that holds two

@@ -16,7 +16,8 @@ import trio.testing
 
 from butter.backends.base import Backend, KvOp, RemoveTokens, SeqWork, StepResult
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.engine.engine import Engine, Generation, _wait_for
+from butter.engine.engine import Engine, _wait_for
+from butter.engine.generation import Generation
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -147,8 +148,8 @@ async def test_resent_tool_round_reuses_the_whole_conversation(
     # The client resends everything: its turn, the answer it got, then a tool result.
     session_tokens = max(engine.stats().session_cells)
     assert session_tokens == len(turn1) + 12 - 1  # the last sampled token was never evaluated
-    answer = engine._sessions[0].kv_tokens[len(turn1):] or next(
-        s.kv_tokens for s in engine._sessions if s.kv_tokens)[len(turn1):]
+    answer = engine.cache.sequences[0].kv_tokens[len(turn1):] or next(
+        s.kv_tokens for s in engine.cache.sequences if s.kv_tokens)[len(turn1):]
     turn2 = turn1 + answer + tokens(resident, "<tool_response>42</tool_response>")
     _, second = await run(engine, turn2, seed=3, max_tokens=4)
     assert second.cached_tokens == len(turn1) + len(answer)
@@ -245,7 +246,7 @@ async def test_caches_that_cannot_be_cut_are_only_extended(
     monkeypatch.setattr(resident.backend, "rewind_limit", 1)
     first = tokens(resident, "A conversation about boats, first turn")
     _, cold = await run(engine, first, seed=1, max_tokens=6)
-    (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+    (held,) = [list(s.kv_tokens) for s in engine.cache.sequences if s.kv_tokens]
     _, extended = await run(engine, [*held, *tokens(resident, " and more")], seed=1,
                             max_tokens=2)
     assert cold.cached_tokens == 0 and extended.cached_tokens == len(held)
@@ -279,7 +280,7 @@ async def test_a_recurrent_model_reuses_its_state_only_by_extending_it(
                                                  temperature=0)
                     if not reuse:
                         return text, generation
-                    (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+                    (held,) = [list(s.kv_tokens) for s in engine.cache.sequences if s.kv_tokens]
                     longer = [*held, *tokens(resident, " and then the sea")]
                     extended = await run(engine, longer, seed=1, max_tokens=6, temperature=0)
                     cut = await run(engine, prompt[:-2], seed=1, max_tokens=6, temperature=0)
@@ -330,7 +331,7 @@ async def test_waiting_for_a_step_returns_its_result_or_its_error() -> None:
 def test_step_times_fall_in_the_first_bucket_that_holds_them(resident: ResidentModel) -> None:
     engine = Engine(resident.backend, parallel=1, max_context=64, prefill_chunk=8, max_queue=1)
     for seconds in (0.005, 0.006, 0.3, 3.0):  # a bound itself counts in its own bucket
-        engine._observe_step(seconds)
+        engine._step_times.observe(seconds)
     buckets, total = engine.step_histogram()
     cumulative = dict(buckets)
     assert (cumulative["0.005"], cumulative["0.01"], cumulative["0.25"]) == (1, 2, 2)

@@ -137,7 +137,7 @@ async def test_sliding_window_caches_are_cut_only_before_they_wrap(tiny_gemma: P
         assert (text, cached) == (expected, 0)
         # ...but a prompt that extends the wrapped cache still reuses all of it.
         await _cold(model, long, 6)
-        (held,) = [list(s.kv_tokens) for s in model.resident.engine._sessions if s.kv_tokens]
+        (held,) = [list(s.kv_tokens) for s in model.resident.engine.cache.sequences if s.kv_tokens]
         follow_up = [*held, *tokens(" and then", add_bos=False)]
         expected = await _cold(model, follow_up, 4)
         await _greedy(model, long, 6)
@@ -179,7 +179,7 @@ async def test_hybrid_recurrent_model_is_served_and_only_extended(tiny_qwen35: P
         tokens = backend.tokenize
         engine = model.resident.engine
         await _cold(model, "A conversation about boats", 6)
-        (held,) = [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens]
+        (held,) = [list(s.kv_tokens) for s in engine.cache.sequences if s.kv_tokens]
         follow_up = [*held, *tokens(" and then", add_bos=False)]
         expected = await _cold(model, follow_up, 4)
         await _greedy(model, "A conversation about boats", 6)
@@ -215,7 +215,7 @@ async def test_a_long_session_is_not_batched_with_short_ones(tiny_mlx: Path) -> 
             nursery.start_soon(lane, long_prompt, 0)
             for i in range(3):
                 nursery.start_soon(lane, backend.tokenize(PROMPTS[i], add_bos=False), i + 1)
-        long_seq = next(s.seq for s in engine._sessions
+        long_seq = next(s.seq for s in engine.cache.sequences
                         if len(s.kv_tokens) >= len(long_prompt))
         widest = max(seen, key=len)
         assert len(widest) == 3 and long_seq not in widest  # the short ones together...

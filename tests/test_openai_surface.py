@@ -349,7 +349,7 @@ async def test_prompt_scoring_on_both_backends(kind: str, request: pytest.Fixtur
         async with trio.open_nursery() as nursery:
             nursery.start_soon(engine.run)
             async with engine.generate_choices(prompt, [SamplingParams()], 0,
-                                               score=2) as (generation,):
+                                               prompt_top_logprobs=2) as (generation,):
                 pieces = [p async for batch in generation.pieces() for p in batch]
             nursery.cancel_scope.cancel()
     finally:

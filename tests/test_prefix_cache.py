@@ -15,7 +15,8 @@ import trio
 
 from butter.backends.base import Backend, KvOp, RemoveTokens, RestoreSequence, SeqWork, StepResult
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.engine.engine import Engine, Generation, RequestState
+from butter.engine.engine import Engine
+from butter.engine.generation import Generation, RequestState
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -35,7 +36,8 @@ async def run(engine: Engine, prompt: list[int], max_tokens: int = 8) -> tuple[b
 
 
 def cached_prompts(engine: Engine) -> list[list[int]]:
-    return [list(s.kv_tokens) for s in engine._sessions if s.kv_tokens and s.generation is None]
+    return [list(s.kv_tokens) for s in engine.cache.sequences
+            if s.kv_tokens and s.generation is None]
 
 
 @pytest.fixture(scope="module", params=["gguf", "mlx"])
@@ -131,7 +133,7 @@ def tokenize(backend: LlamaCppBackend, text: str) -> list[int]:
 async def test_cached_prompts_give_way_least_recently_used_first(
     backend: LlamaCppBackend, engine: Engine
 ) -> None:
-    engine._host.budget_bytes = 0  # eviction alone here: nothing saved
+    engine.cache.host.budget_bytes = 0  # eviction alone here: nothing saved
     a, b, c = (tokenize(backend, conversation(t)) for t in ("apples", "boats", "clouds"))
     for prompt in (a, b, c):
         await run(engine, prompt)
@@ -150,7 +152,7 @@ async def test_cached_prompts_give_way_least_recently_used_first(
 async def test_a_reservation_evicts_cached_prompts_and_never_a_live_one(
     backend: LlamaCppBackend, engine: Engine
 ) -> None:
-    engine._host.budget_bytes = 0
+    engine.cache.host.budget_bytes = 0
     cached = tokenize(backend, conversation("apples"))
     live = tokenize(backend, conversation("boats"))
     big = tokenize(backend, HEADER + "A different request. ")
@@ -228,7 +230,7 @@ async def test_a_prompt_left_idle_through_many_decode_rows_moves_to_host_ram(
     backend: LlamaCppBackend, engine: Engine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each decode row walks the cached prompts' cells too: one idle long enough goes to RAM.
-    monkeypatch.setattr("butter.engine.engine.IDLE_DECODE_ROWS", 24)
+    monkeypatch.setattr("butter.engine.prefix_cache.IDLE_DECODE_ROWS", 24)
     prompt = tokenize(backend, conversation("apples"))
     cold_text, _ = await run(engine, prompt, max_tokens=16)
     other = tokenize(backend, conversation("boats"))

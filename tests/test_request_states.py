@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from butter.engine.admission import Ticket
-from butter.engine.engine import (
+from butter.engine.generation import (
     STEPPING,
     TRANSITIONS,
     Generation,

@@ -152,7 +152,7 @@ class SeqWork:
     # Score these prompt tokens: the logprobs of each token after the first, and of
     # `next_token` (the prompt's token after this chunk, None at its end), with this many
     # alternatives each (Scored); None: no scoring.
-    score: int | None = None
+    prompt_top_logprobs: int | None = None
     next_token: int | None = None
     # A decode whose last `drafted` tokens are a guess at what comes next (speculative
     # decoding): every row from the sampled token's on is sampled in order, as far as each
@@ -179,7 +179,7 @@ class Sampled:
 @attrs.frozen
 class Scored:
     """A scored prompt chunk: the logprobs of its tokens after the first, then of the
-    next chunk's first token (see SeqWork.score)."""
+    next chunk's first token (see SeqWork.prompt_top_logprobs)."""
 
     seq: int
     logprobs: tuple[Logprobs, ...]

@@ -8,6 +8,9 @@ prefix the model's own sampling agrees with (docs/architecture.md, "Speculative
 decoding"). Where the lookup finds nothing, a draft model, if one is loaded, guesses
 instead (its tokens are made in the step, by the backend).
 
+`Speculation` is the engine's side of it: which decoding sequences draft in a step and how
+many rows each, and what the step then says about acceptance and row costs.
+
 How many draft rows a step takes is a throughput decision: a session whose drafts were
 accepted with probability `a` per token expects `a + a² + ... + a^k` extra tokens from k
 rows, and the step costs what steps of that many rows were measured to cost. The step takes
@@ -18,8 +21,17 @@ accepted or rows are dear.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
+
+from butter.backends.base import Backend, SeqWork
+from butter.engine.step_plan import PendingWork
+from butter.kv import KvWindow
+
+if TYPE_CHECKING:  # (a Generation holds its PromptLookup and Acceptance: no cycle at run time)
+    from butter.engine.generation import Generation
+    from butter.engine.prefix_cache import KvSequence
 
 # N-gram lengths the lookup tries, longest first: a longer match is likelier to go on.
 MAX_NGRAM = 4
@@ -230,3 +242,107 @@ def _a_kept_token_pays(rows: int, token_cost: float, costs: StepCosts) -> bool:
     session's acceptance could make its drafts pay, so probing it only slows the step."""
     return (rows + 1) / (costs.cost(rows + 1) + token_cost) >= rows / costs.cost(rows)
 
+
+
+class Speculation:
+    """The engine's speculative decoding: the drafts a step of decodes carries, and what
+    each step teaches about acceptance and the cost of rows."""
+
+    def __init__(self, backend: Backend, *, draft_max: int, window: KvWindow | None) -> None:
+        self.backend = backend
+        self.draft_max = draft_max
+        self.draft_rows = backend.draft_rows
+        self.off = self._off_reason(window)
+        self.step_costs = StepCosts()  # of decode-only steps, by rows
+        self.guess_cost = 0.0  # seconds the draft model takes per guessed token (measured)
+
+    def _off_reason(self, window: KvWindow | None) -> str | None:
+        """Why this engine does not speculate (None: it does)."""
+        if self.draft_max <= 0:
+            return "turned off (--draft-max 0)"
+        if self.backend.speculation_off is not None:
+            return self.backend.speculation_off
+        if self.draft_rows < 2:
+            return "the backend computes no batch of two rows as it computes one"
+        if window is not None:  # (a slide would cut into the draft's positions)
+            return "not with a sliding KV window (--kv-window-size)"
+        return None
+
+    def with_drafts(self, pending: list[PendingWork],
+                    sequences: Sequence[KvSequence]) -> list[PendingWork]:
+        """The decoding sequences' drafts for this step: only in a step of decodes alone (a
+        prompt chunk leaves it no spare width), and only as many rows as pay for
+        themselves (draft_lengths)."""
+        if self.off is not None or not pending or \
+                len(pending) >= self.draft_rows or any(not p.decoding for p in pending):
+            return pending  # (no spare width: not even a probe fits)
+        stepping = [sequences[p.seq] for p in pending]
+        offers = [self._offer(sequence) for sequence in stepping]
+        if not any(offer.proposal for offer, _ in offers):
+            return pending
+        lengths = draft_lengths([offer for offer, _ in offers], len(pending),
+                                self.draft_rows, self.step_costs)
+        drafted: list[PendingWork] = []
+        for work, sequence, (offer, estimate), length in zip(pending, stepping, offers,
+                                                             lengths, strict=True):
+            if offer.proposal and not length:
+                estimate.steps_without += 1
+            if not length:
+                drafted.append(work)
+            elif offer.guessed:
+                drafted.append(attrs.evolve(work, guess=length, history=sequence.kv_tokens))
+            else:
+                drafted.append(attrs.evolve(work, draft=offer.proposal[:length]))
+        return drafted
+
+    def _offer(self, sequence: KvSequence) -> tuple[DraftOffer, Acceptance]:
+        """What a decoding request proposes, cut to what its max_tokens and its reserved
+        cells leave room for: the prompt lookup's continuation, else as many guesses of
+        the draft model (if one is loaded); and the estimate its drafts are judged by."""
+        generation = sequence.generation
+        assert generation is not None  # (a stepping sequence's)
+        room = min(self.draft_max, generation.max_tokens - generation.completion_tokens - 1,
+                   generation.ticket.cells - generation.prompt_tokens
+                   - generation.completion_tokens)
+        if generation.prompt_top_logprobs is not None or room <= 0:
+            return DraftOffer((), 0.0), generation.acceptance
+        lookup = generation.lookup
+        history = sequence.kv_tokens
+        if lookup is None:
+            lookup = generation.lookup = PromptLookup(history)
+        elif len(lookup) < len(history):
+            lookup.extend(history[len(lookup):])
+        lookup.extend(generation.pending)
+        proposal = lookup.propose(room)
+        if not proposal and self.backend.guesses:  # (its tokens are made in the step)
+            estimate = generation.guess_acceptance
+            return DraftOffer((0,) * room, estimate.rate,
+                              probe=estimate.steps_without >= PROBE_EVERY,
+                              token_cost=self.guess_cost, guessed=True), estimate
+        estimate = generation.acceptance
+        offer = DraftOffer(proposal, estimate.rate, probe=estimate.steps_without >= PROBE_EVERY)
+        return offer, estimate
+
+    def observe_step(self, works: Sequence[SeqWork], seconds: float, guessing: float) -> None:
+        """A step's cost by rows, if it was decodes alone, less the draft model's guessing
+        (measured apart, per guessed token)."""
+        if self.off is not None or not works or any(work.prompt for work in works):
+            return
+        guessed = sum(work.guess for work in works)
+        if guessed:
+            per_token = guessing / guessed
+            self.guess_cost = per_token if not self.guess_cost else \
+                self.guess_cost + 0.2 * (per_token - self.guess_cost)
+        rows = sum(len(work.tokens) + work.guess for work in works)
+        self.step_costs.observe(rows, seconds - guessing)
+
+    @staticmethod
+    def verified(generation: Generation, work: SeqWork, *, accepted: int) -> int:
+        """A verified draft's outcome on its request's estimate and counts; the draft
+        tokens it verified."""
+        drafted = work.drafted or work.guess
+        estimate = generation.guess_acceptance if work.guess else generation.acceptance
+        estimate.observe(drafted, accepted)
+        generation.drafted_tokens += drafted
+        generation.accepted_tokens += accepted
+        return drafted

@@ -215,8 +215,8 @@ class ResidentModel:
         return {
             "enabled": engine.speculation_off is None,
             "off_because": engine.speculation_off,
-            "draft_max": engine.draft_max,
-            "max_step_rows": engine.draft_rows,
+            "draft_max": engine.speculation.draft_max,
+            "max_step_rows": engine.speculation.draft_rows,
             "draft_model": getattr(self.backend, "drafter_path", None),
             "draft_model_off_because": getattr(self.backend, "draft_model_off", None),
             "draft_steps": stats.draft_steps,

@@ -11,7 +11,8 @@ import trio
 
 from butter.chat.markup import Event
 from butter.chat.request import FinishReason, Timings, Usage
-from butter.engine.engine import EngineStopped, Generation
+from butter.engine.engine import EngineStopped
+from butter.engine.generation import Generation
 from butter.errors import ButterError, ModelReplaced
 from butter.pipeline.output import LogprobsDelta, OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration, choice_params
@@ -63,7 +64,7 @@ async def running_choices(
     try:
         async with resident.engine.generate_choices(
             prepared.prompt, choice_params(prepared.params, prepared.request.n),
-            prepared.max_tokens, score=prepared.request.score_prompt,
+            prepared.max_tokens, prompt_top_logprobs=prepared.request.score_prompt,
         ) as generations:
             yield generations
     except EngineStopped as exc:

@@ -15,7 +15,7 @@ import trio
 
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason
-from butter.engine.engine import Generation
+from butter.engine.generation import Generation
 from butter.errors import ButterError
 from butter.pipeline.output import LogprobsDelta, OutputAssembler, OutputBlocks
 from butter.pipeline.prepare import PreparedGeneration

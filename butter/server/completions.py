@@ -14,7 +14,7 @@ import trio
 
 from butter.chat.markup import ContentDelta
 from butter.chat.request import Logprobs, TextPrompt, Usage
-from butter.engine.engine import Generation
+from butter.engine.generation import Generation
 from butter.errors import ButterError
 from butter.pipeline.output import LogprobsDelta, OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration

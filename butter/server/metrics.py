@@ -14,7 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from butter.engine.engine import Engine, Generation
+from butter.engine.engine import Engine
+from butter.engine.generation import Generation
 
 log = logging.getLogger("butter.requests")
 

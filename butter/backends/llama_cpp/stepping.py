@@ -251,7 +251,7 @@ class Stepper:
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset >= first_sampled
                 target = None
-                if work.score is not None:  # (a prompt being scored: rare, never a decode)
+                if work.prompt_top_logprobs is not None:  # (a prompt scored: rare, never a decode)
                     target = work.tokens[offset + 1] if offset < last else work.next_token
                 scores = target is not None
                 output = wants or scores or spare_outputs > 0
@@ -261,8 +261,9 @@ class Stepper:
                 elif wants:
                     sample_rows.append((work.seq, row, n_outputs))
                 if scores:
-                    assert work.score is not None and target is not None
-                    score_rows.append(ScoreRow(work.seq, row, n_outputs, target, work.score))
+                    assert work.prompt_top_logprobs is not None and target is not None
+                    score_rows.append(ScoreRow(work.seq, row, n_outputs, target,
+                                               work.prompt_top_logprobs))
                 if not (wants or scores) and spare_outputs > 0:
                     spare_outputs -= 1
                 n_outputs += output

@@ -127,7 +127,8 @@ class MlxBackend:
             logits = self.caches.logits(works)
             sampled: list[StepResult] = [self.samplers.sample(work.seq, logits[work.seq])
                                          for work in works if work.sample]
-            sampled += [self._scored(work) for work in works if work.score is not None]
+            sampled += [self._scored(work) for work in works
+                        if work.prompt_top_logprobs is not None]
         except BaseException:
             with contextlib.suppress(Exception):  # the step's own error is the one to report
                 self._settle()
@@ -137,11 +138,11 @@ class MlxBackend:
 
     def _scored(self, work: SeqWork) -> Scored:
         """The prompt chunk's logprobs: of each token after the first, then of the next."""
-        assert work.score is not None
+        assert work.prompt_top_logprobs is not None
         rows = np.array(self.caches.prompt_logits[work.seq].astype(self.model.mx.float32))
         targets = [*work.tokens[1:], work.next_token]
         return Scored(work.seq, tuple(
-            token_logprobs(rows[offset], target, work.score, self.model.piece)
+            token_logprobs(rows[offset], target, work.prompt_top_logprobs, self.model.piece)
             for offset, target in enumerate(targets) if target is not None))
 
     def _settle(self) -> None:

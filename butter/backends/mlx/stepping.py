@@ -39,7 +39,8 @@ class SessionCaches:
         self._caches: dict[int, list[Any]] = {}
         self._lengths: dict[int, int] = {}  # positions each session's cache holds
         self._batch: DecodeBatch | None = None
-        # This step's every-row logits of works that score their prompt (SeqWork.score).
+        # This step's every-row logits of works that score their prompt
+        # (SeqWork.prompt_top_logprobs).
         self.prompt_logits: dict[int, Any] = {}
 
     # ------------------------------------------------------------------ cache edits
@@ -125,7 +126,7 @@ class SessionCaches:
         every = self._model.model(inputs, cache=cache)[0]
         logits = every[-1]
         self._mx.eval(logits, [layer.state for layer in cache])
-        if work.score is not None:  # every row's logits, to score the prompt
+        if work.prompt_top_logprobs is not None:  # every row's logits, to score the prompt
             self.prompt_logits[work.seq] = every
         self._lengths[work.seq] = work.start + len(work.tokens)
         return logits

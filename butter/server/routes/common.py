@@ -14,7 +14,7 @@ import trio
 from quart import Response, current_app, request
 
 from butter.chat.request import GenerationRequest
-from butter.engine.engine import Generation
+from butter.engine.generation import Generation
 from butter.errors import InvalidRequest, ModelNotFound
 from butter.pipeline import prepare as preparing
 from butter.pipeline.prepare import PreparedGeneration

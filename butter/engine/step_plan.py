@@ -26,7 +26,7 @@ class PendingWork:
     start: int  # position of the first pending token
     pending: tuple[int, ...]
     decoding: bool  # pending is the one sampled token, not prompt
-    score: int | None = None  # score the prompt's tokens (SeqWork.score)
+    prompt_top_logprobs: int | None = None  # score the prompt (SeqWork.prompt_top_logprobs)
     draft: tuple[int, ...] = ()  # a decode's guess at the tokens after it (SeqWork.drafted)
     guess: int = 0  # or: the draft model guesses this many (SeqWork.guess)
     history: Sequence[int] = ()  # the sequence's tokens, for the draft model
@@ -105,7 +105,7 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
         works.append(
             SeqWork(
                 seq=s.seq, tokens=chunk, start=s.start, sample=size == len(s.pending),
-                prompt=True, score=s.score,
+                prompt=True, prompt_top_logprobs=s.prompt_top_logprobs,
                 next_token=s.pending[size] if size < len(s.pending) else None,
             )
         )

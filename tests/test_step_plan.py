@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from butter.backends.base import SeqWork
-from butter.engine.scheduler import PendingWork, PrefillBudget, plan_step
+from butter.engine.step_plan import PendingWork, PrefillBudget, plan_step
 
 
 def _prefill(seq: int, n: int, start: int = 0) -> PendingWork:
