@@ -382,7 +382,7 @@ class ServeSettings:
         help="llama.cpp: steps run on fewer threads while other programs take some of the "
              "cores, and on all of them again when the cores are free (docs/concurrency.md; "
              "default: on)")
-    step_shaping: bool = flag(  # backends/shaping.py
+    step_shaping: bool = flag(  # backends/step_layouts.py
         True, action=ON_OFF, group=THREADS,
         help="llama.cpp: time alternative layouts of decode steps (pad output rows to 8, or "
              "one decode per row) and keep the fastest (default: on)")

@@ -680,7 +680,7 @@ def test_a_closed_backend_refuses_steps_and_closes_once(tiny_gguf: Path) -> None
 def test_every_evaluation_runs_on_one_thread_whoever_calls(
     tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """llama.cpp's OpenMP teams are per calling thread (docs/architecture.md)."""
+    """llama.cpp's OpenMP teams are per calling thread (docs/design/threads.md)."""
     decoding_threads: set[str] = set()
     decode = llama_backend.ll.llama_decode
 

@@ -1,4 +1,4 @@
-"""Weight repacking and the bit-exact cache hit (`--deterministic`, docs/architecture.md).
+"""Weight repacking and the bit-exact cache hit (`--deterministic`, docs/design/numerics.md).
 
 llama.cpp's repacked (interleaved) x86 kernels quantize and multiply batch rows four at a
 time and the rest one by one, so a row's result can depend on where it sits in the batch:

@@ -9,7 +9,7 @@ import pytest
 
 from butter.engine.admission import Ticket
 from butter.engine.generation import (
-    STEPPING,
+    HAS_STEP_WORK,
     TRANSITIONS,
     Generation,
     IllegalTransition,
@@ -65,7 +65,7 @@ def test_every_state_is_reachable_and_ends_finished() -> None:
     assert TRANSITIONS[S.FINISHED] == frozenset()
     assert all(S.FINISHED in TRANSITIONS[state] for state in RequestState
                if state is not S.FINISHED)
-    assert STEPPING == {S.PREFILLING, S.DECODING}
+    assert HAS_STEP_WORK == {S.PREFILLING, S.DECODING}
 
 
 @pytest.mark.parametrize("state", list(RequestState))

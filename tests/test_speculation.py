@@ -28,8 +28,8 @@ from butter.backends.base import (
     SetSampler,
 )
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
+from butter.backends.llama_cpp.batch import EXACT_BATCH_ROWS, REPACKED_EXACT_ROWS
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS
-from butter.backends.llama_cpp.stepping import EXACT_BATCH_ROWS, REPACKED_EXACT_ROWS
 from butter.chat.grammar import json_schema_grammar
 from butter.chat.request import Logprobs
 from butter.engine.drafting import PromptLookup

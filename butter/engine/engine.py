@@ -36,7 +36,7 @@ from butter.backends.base import (
 )
 from butter.engine.admission import Admission
 from butter.engine.drafting import Speculation
-from butter.engine.generation import STEPPING, Generation, RequestState
+from butter.engine.generation import HAS_STEP_WORK, Generation, RequestState
 from butter.engine.host_cache import HostEntry
 from butter.engine.prefix_cache import PrefixCache
 from butter.engine.stats import EngineStats, StepTimes, Totals
@@ -251,7 +251,7 @@ class Engine:
                 prompt_top_logprobs=s.generation.prompt_top_logprobs,
             )
             for s in self.cache.sequences
-            if s.generation is not None and s.generation.state in STEPPING
+            if s.generation is not None and s.generation.state in HAS_STEP_WORK
         ]
 
     async def _step(self, works: list[SeqWork]) -> None:
@@ -307,7 +307,7 @@ class Engine:
                 tokens = (*work.tokens[:1], *(one.token for one in sampled[:-1]))
             self.cache.evaluated(work.seq, tokens)
             generation = self.cache.sequences[work.seq].generation
-            if generation is None or generation.state not in STEPPING:
+            if generation is None or generation.state not in HAS_STEP_WORK:
                 continue
             generation.pending = generation.pending[len(work.tokens):]
             if work.drafted or work.guess:
@@ -316,7 +316,7 @@ class Engine:
                     generation, work, accepted=accepted)
                 self._totals.accepted_tokens += accepted
             for one in sampled:
-                if generation.state not in STEPPING:  # (it ended inside the draft)
+                if generation.state not in HAS_STEP_WORK:  # (it ended inside the draft)
                     break
                 self._accept(generation, one)
 

@@ -50,7 +50,7 @@ TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     _S.FINISHED: frozenset(),
 }
 # States whose request holds a KV sequence and has work for a step.
-STEPPING = frozenset({_S.PREFILLING, _S.DECODING})
+HAS_STEP_WORK = frozenset({_S.PREFILLING, _S.DECODING})
 
 
 class IllegalTransition(Exception):

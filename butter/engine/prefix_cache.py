@@ -48,7 +48,7 @@ MIN_USEFUL_PREFIX = 32
 # included (llama.cpp's CPU flash attention skips another sequence's cells one mask check
 # at a time): so with the host-RAM tier on, a cached prompt that stays idle while the
 # engine decodes this many rows moves there, where keeping it costs the steps nothing and
-# a restore is a memory copy (docs/architecture.md, "The prefix cache").
+# a restore is a memory copy (docs/design/prefix-cache.md).
 IDLE_DECODE_ROWS = 256
 
 

@@ -34,7 +34,7 @@ class PendingWork:
 
 # The smallest chunk the budget shrinks to while sessions decode. llama.cpp's CPU flash
 # attention computes queries in 64-row tiles, and a partial tile costs a full one: below 64
-# rows a chunk would pay for attention it does not get (docs/architecture.md).
+# rows a chunk would pay for attention it does not get (docs/design/prompt-chunks.md).
 MIN_DECODING_BUDGET = 64
 
 
@@ -158,7 +158,7 @@ def _whole_tiles(prefilling: Sequence[PendingWork], sizes: list[int], budget: in
     A backend tile holding two prompts' rows computes each against what either sees
     (llama.cpp's flash attention skips a block of the cache only where the whole tile is
     masked from it), so whole tiles prefill several prompts faster than equal shares
-    (docs/architecture.md, "Prompts prefilled together", measured by
+    (docs/design/prompt-chunks.md, "Prompts prefilled together", measured by
     benchmarks/prompts_together.py).
     Prompts that end in this step keep their size; the budget they leave is split into
     tiles among the others, the extra tiles going to the least advanced (with fewer tiles

@@ -2,7 +2,7 @@
 
 - `loading`: the model, its context and batch, what it is, its text, and who computes
   its logits (butter's output projection, checked against llama.cpp's at load).
-- `stepping`: a step's works laid into the batch, shaped, evaluated, redone if split.
+- `batch`: a step's works laid into the batch, shaped, evaluated, redone if split.
 - `sampling`: per-sequence sampler chains, the grammar veto, the candidates.
 - `grammars`: output constraints as llguidance matchers, compiled once each.
 - `backend`: `LlamaCppBackend`, the `Backend` these make, on its own thread.

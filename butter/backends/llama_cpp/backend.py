@@ -1,4 +1,4 @@
-"""The llama.cpp backend: a loaded GGUF (loading.py), stepped (stepping.py) and sampled
+"""The llama.cpp backend: a loaded GGUF (loading.py), stepped (batch.py) and sampled
 (sampling.py) on the backend's own thread (butter/backends/worker.py).
 
 Every method that touches the context runs on that thread; ctypes releases the GIL during
@@ -34,18 +34,18 @@ from butter.backends.base import (
 )
 from butter.backends.kernels import Kernel
 from butter.backends.llama_cpp import layer_matmul
-from butter.backends.llama_cpp.drafter import DraftModel
-from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
-from butter.backends.llama_cpp.placement import TeamPlacement
-from butter.backends.llama_cpp.sampling import Samplers
-from butter.backends.llama_cpp.stepping import (
+from butter.backends.llama_cpp.batch import (
     EXACT_BATCH_ROWS,
     PROMPT_TILE_ROWS,
     REPACKED_EXACT_ROWS,
     Stepper,
 )
+from butter.backends.llama_cpp.drafter import DraftModel
+from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
+from butter.backends.llama_cpp.placement import TeamPlacement
+from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.native import Unavailable
-from butter.backends.shaping import StepShaper
+from butter.backends.step_layouts import LayoutTimer
 from butter.backends.team import StepPace, TeamSizer, TeamStatus, read_sample
 from butter.backends.worker import BackendWorker
 from butter.cpu import allowed_cpus, this_cpu
@@ -74,7 +74,7 @@ class LlamaCppBackend:
         `fast_layers`: let butter multiply the layers' Q8_0, Q6_K and Q5_K matrices inside
         llama.cpp (layer_matmul.py; it needs `repack`); `layer_matmuls` says who does.
         `exact_decode`: every decode row is computed as a row of a bigger step is: a one-row
-        step gets a scratch row (stepping.ONE_ROW_SCRATCH; slower where llama.cpp's
+        step gets a scratch row (batch.ONE_ROW_SCRATCH; slower where llama.cpp's
         lone-row attention or its repacked kernels are faster), unless butter computes the
         attention (`decode_attention`), which already computes a lone row that way.
         `draft_model`: a GGUF with the same vocabulary that guesses tokens for speculative
@@ -110,13 +110,13 @@ class LlamaCppBackend:
         self.draft_model_off: str | None = None
         if draft_model is not None:
             self._load_drafter(draft_model, required=draft_required, threads=threads)
-        self.shaper = StepShaper(enabled=step_shaping)
+        self.layouts = LayoutTimer(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
         self.butter_attention, self.decode_attention = self._choose_decode_attention()
         # (butter computes a lone row as a bigger step's row: no scratch row beside it)
         pad_one_row = cpu and exact_decode and not self.butter_attention
-        self.stepper = Stepper(self.model, self.samplers, self.shaper, separate_prompts=cpu,
+        self.stepper = Stepper(self.model, self.samplers, self.layouts, separate_prompts=cpu,
                                pad_one_row=pad_one_row, drafter=self.drafter)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
@@ -133,7 +133,7 @@ class LlamaCppBackend:
         # llama.cpp's there only costs time, and changes the last bits of some steps' logits,
         # so that the same seeded request could sample differently from one run to the next.
         head = self.model.lm_head
-        self.shaper.head_choice = head is not None and repack and not head.exact
+        self.layouts.head_choice = head is not None and repack and not head.exact
         self.threads = self.most_threads = threads  # (threads: the team's size now)
         self._cpus = allowed_cpus()
         self.team_sizer = TeamSizer(threads, len(self._cpus)) if fit_threads and threads > 1 \
@@ -222,9 +222,9 @@ class LlamaCppBackend:
         return self.stepper.redone_steps
 
     def diagnostics(self) -> dict[str, Any]:
-        shaper = self.shaper
-        shapes = ({str(n): shape for n, shape in shaper.verdicts().items()}
-                  if shaper.enabled else None)
+        layouts = self.layouts
+        shapes = ({str(n): shape for n, shape in layouts.verdicts().items()}
+                  if layouts.enabled else None)
         return {
             "step_shapes": shapes,  # decode-step layouts chosen so far, by output rows
             "lm_head": {"by": self.lm_head, "redone_steps": self.lm_head_redos},
@@ -277,7 +277,7 @@ class LlamaCppBackend:
             if params.grammar is not None:
                 self.samplers.grammars.check(params.grammar)
 
-    # ------------------------------------------------------------------ stepping
+    # ------------------------------------------------------------------ steps
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         return self.submit_step(ops, works).result()

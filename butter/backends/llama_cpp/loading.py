@@ -25,7 +25,7 @@ from butter.backends.kernels import Isa, llama_cpp_kernel
 from butter.backends.llama_cpp import layer_matmul
 from butter.backends.lmhead import LmHead, Verdict
 from butter.backends.native import Unavailable
-from butter.backends.shaping import padded_outputs
+from butter.backends.step_layouts import padded_outputs
 from butter.cpu import this_cpu
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType, parse_kv_cache
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 MIN_PROMPT_ROWS = 8
 # Where butter's kernels multiply every matrix of a step (each layer's and the output
 # projection), each row is computed alone at any row count, and so is each query row of
-# llama.cpp's CPU flash attention below its tiles of 64 rows (stepping.PROMPT_TILE_ROWS):
+# llama.cpp's CPU flash attention below its tiles of 64 rows (batch.PROMPT_TILE_ROWS):
 # a step of up to this many rows computes each row as alone (the output projection's
 # buffers hold this many).
 BUTTER_EXACT_ROWS = 16

@@ -6,7 +6,7 @@ sharing copies a donor's cache state. `--kv-cache affine8|affine4` use mlx-lm's
 `QuantizedKVCache` for every layer whose cache is a plain KV cache.
 
 - `loading`: the model, tokenizer and config, the KV cache they get, their text.
-- `stepping`: each session's cache, the decode batch, the forward passes.
+- `forward`: each sequence's cache, the decode batch, the forward passes.
 - `sampling`: penalties, filters and the draw (butter/sampling.py's order), the grammar veto.
 - `grammars`: output constraints as llguidance grammars, compiled once each.
 - `backend`: `MlxBackend`, the `Backend` these make, on its own thread.

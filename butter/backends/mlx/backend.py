@@ -1,5 +1,5 @@
 """The MLX backend: a checkpoint loaded through mlx-lm (loading.py), the sessions' caches
-and forward passes (stepping.py), sampling (sampling.py) and grammars (grammars.py), all
+and forward passes (forward.py), sampling (sampling.py) and grammars (grammars.py), all
 evaluated on the backend's own thread (butter/backends/worker.py): mlx ties unevaluated
 arrays to the thread that built them."""
 
@@ -30,10 +30,10 @@ from butter.backends.base import (
     apply_kv_ops,
 )
 from butter.backends.logprobs import token_logprobs
+from butter.backends.mlx.forward import SessionCaches
 from butter.backends.mlx.grammars import LlguidanceGrammars
 from butter.backends.mlx.loading import MlxModel
 from butter.backends.mlx.sampling import Samplers
-from butter.backends.mlx.stepping import SessionCaches
 from butter.backends.worker import BackendWorker
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
@@ -112,7 +112,7 @@ class MlxBackend:
             if params.grammar is not None:
                 self.grammars.check(params.grammar)
 
-    # ------------------------------------------------------------------ stepping
+    # ------------------------------------------------------------------ steps
 
     def step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         return self.submit_step(ops, works).result()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.backends.shaping import Shape, StepShaper, candidates, padded_outputs
+from butter.backends.step_layouts import LayoutTimer, StepLayout, candidates, padded_outputs
 from butter.cli import build_parser, settings_from_args
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
@@ -26,86 +26,87 @@ from tests.conftest import ServerProcess
 
 
 def test_candidates_keep_single_rows_and_small_batches_exact() -> None:
-    assert candidates(1, decode_only=True) == (Shape.PLAIN,)
-    assert candidates(2, decode_only=True) == (Shape.PLAIN, Shape.SPLIT)
-    assert candidates(3, decode_only=False) == (Shape.PLAIN,)  # never split prompt steps
-    assert candidates(4, decode_only=True) == (Shape.PLAIN,)
-    assert candidates(6, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
-    assert candidates(8, decode_only=True) == (Shape.PLAIN,)
-    assert candidates(13, decode_only=True) == (Shape.PLAIN, Shape.PADDED)
-    assert candidates(6, decode_only=False) == (Shape.PLAIN,)  # prompt logits stay exact
+    assert candidates(1, decode_only=True) == (StepLayout.PLAIN,)
+    assert candidates(2, decode_only=True) == (StepLayout.PLAIN, StepLayout.SPLIT)
+    assert candidates(3, decode_only=False) == (StepLayout.PLAIN,)  # never split prompt steps
+    assert candidates(4, decode_only=True) == (StepLayout.PLAIN,)
+    assert candidates(6, decode_only=True) == (StepLayout.PLAIN, StepLayout.PADDED)
+    assert candidates(8, decode_only=True) == (StepLayout.PLAIN,)
+    assert candidates(13, decode_only=True) == (StepLayout.PLAIN, StepLayout.PADDED)
+    assert candidates(6, decode_only=False) == (StepLayout.PLAIN,)  # prompt logits stay exact
     assert [padded_outputs(n) for n in (5, 7, 8, 13)] == [8, 8, 8, 16]
 
 
 def test_llama_cpps_projection_is_a_candidate_only_where_offered() -> None:
-    assert candidates(1, decode_only=True, head_choice=True) == (Shape.PLAIN, Shape.LLAMA_HEAD)
-    assert Shape.LLAMA_HEAD in candidates(6, decode_only=True, head_choice=True)
-    assert candidates(1, decode_only=False, head_choice=True) == (Shape.PLAIN,)
-    shaper = StepShaper(trials=2, revisit_every=50, head_choice=True)
+    assert candidates(1, decode_only=True, head_choice=True) == (StepLayout.PLAIN,
+                                                                 StepLayout.LLAMA_HEAD)
+    assert StepLayout.LLAMA_HEAD in candidates(6, decode_only=True, head_choice=True)
+    assert candidates(1, decode_only=False, head_choice=True) == (StepLayout.PLAIN,)
+    layouts = LayoutTimer(trials=2, revisit_every=50, head_choice=True)
     for _ in range(2):
-        shaper.observe(1, Shape.PLAIN, 0.033)
-        shaper.observe(1, Shape.LLAMA_HEAD, 0.031)
-    assert shaper.choose(1, decode_only=True) is Shape.LLAMA_HEAD
-    assert shaper.verdicts() == {1: "llama-head"}
+        layouts.observe(1, StepLayout.PLAIN, 0.033)
+        layouts.observe(1, StepLayout.LLAMA_HEAD, 0.031)
+    assert layouts.choose(1, decode_only=True) is StepLayout.LLAMA_HEAD
+    assert layouts.verdicts() == {1: "llama-head"}
 
 
-def _timed(shaper: StepShaper, outputs: int, cost: dict[Shape, float], steps: int
-           ) -> list[Shape]:
+def _timed(layouts: LayoutTimer, outputs: int, cost: dict[StepLayout, float], steps: int
+           ) -> list[StepLayout]:
     chosen = []
     for _ in range(steps):
-        shape = shaper.choose(outputs, decode_only=True)
-        shaper.observe(outputs, shape, cost[shape])
+        shape = layouts.choose(outputs, decode_only=True)
+        layouts.observe(outputs, shape, cost[shape])
         chosen.append(shape)
     return chosen
 
 
 def test_tries_every_candidate_then_keeps_the_fastest() -> None:
-    shaper = StepShaper(trials=3, revisit_every=50)
-    chosen = _timed(shaper, 6, {Shape.PLAIN: 0.055, Shape.PADDED: 0.044}, 60)
-    assert chosen[:6].count(Shape.PLAIN) == 3 and chosen[:6].count(Shape.PADDED) == 3
-    assert shaper.best(6) is Shape.PADDED
-    assert chosen[6:].count(Shape.PLAIN) == 1  # one fresh look at the loser per 50 steps
-    assert chosen[6 + 50] is Shape.PLAIN
+    layouts = LayoutTimer(trials=3, revisit_every=50)
+    chosen = _timed(layouts, 6, {StepLayout.PLAIN: 0.055, StepLayout.PADDED: 0.044}, 60)
+    assert chosen[:6].count(StepLayout.PLAIN) == 3 and chosen[:6].count(StepLayout.PADDED) == 3
+    assert layouts.best(6) is StepLayout.PADDED
+    assert chosen[6:].count(StepLayout.PLAIN) == 1  # one fresh look at the loser per 50 steps
+    assert chosen[6 + 50] is StepLayout.PLAIN
     # Steps with prompt rows are never reshaped.
-    assert shaper.choose(6, decode_only=False) is Shape.PLAIN
+    assert layouts.choose(6, decode_only=False) is StepLayout.PLAIN
 
 
 def test_trials_take_turns_so_a_slow_start_does_not_decide() -> None:
-    shaper = StepShaper(trials=3, revisit_every=50, head_choice=True)
-    cost = {Shape.PLAIN: 0.020, Shape.LLAMA_HEAD: 0.022}
+    layouts = LayoutTimer(trials=3, revisit_every=50, head_choice=True)
+    cost = {StepLayout.PLAIN: 0.020, StepLayout.LLAMA_HEAD: 0.022}
     chosen = []
     for step in range(8):
-        shape = shaper.choose(1, decode_only=True)
+        shape = layouts.choose(1, decode_only=True)
         cold = 0.030 if step < 2 else 0.0  # the first two steps after a load run slow
-        shaper.observe(1, shape, cost[shape] + cold)
+        layouts.observe(1, shape, cost[shape] + cold)
         chosen.append(shape)
-    assert chosen[:6] == [Shape.PLAIN, Shape.LLAMA_HEAD] * 3
-    assert shaper.best(1) is Shape.PLAIN
+    assert chosen[:6] == [StepLayout.PLAIN, StepLayout.LLAMA_HEAD] * 3
+    assert layouts.best(1) is StepLayout.PLAIN
 
 
 def test_follows_a_change_in_costs() -> None:
-    shaper = StepShaper(trials=2, revisit_every=10, window=3)
-    _timed(shaper, 2, {Shape.PLAIN: 0.020, Shape.SPLIT: 0.030}, 20)
-    assert shaper.best(2) is Shape.PLAIN
-    _timed(shaper, 2, {Shape.PLAIN: 0.040, Shape.SPLIT: 0.030}, 60)
-    assert shaper.best(2) is Shape.SPLIT
+    layouts = LayoutTimer(trials=2, revisit_every=10, window=3)
+    _timed(layouts, 2, {StepLayout.PLAIN: 0.020, StepLayout.SPLIT: 0.030}, 20)
+    assert layouts.best(2) is StepLayout.PLAIN
+    _timed(layouts, 2, {StepLayout.PLAIN: 0.040, StepLayout.SPLIT: 0.030}, 60)
+    assert layouts.best(2) is StepLayout.SPLIT
 
 
 def test_disabled_shaper_is_always_plain() -> None:
-    shaper = StepShaper(enabled=False)
-    assert {shaper.choose(n, decode_only=d) for n in range(1, 17) for d in (True, False)} == {
-        Shape.PLAIN}
+    layouts = LayoutTimer(enabled=False)
+    assert {layouts.choose(n, decode_only=d) for n in range(1, 17) for d in (True, False)} == {
+        StepLayout.PLAIN}
 
 
 @given(st.lists(st.tuples(st.integers(1, 16), st.booleans(), st.floats(0.001, 1.0)),
                 max_size=200))
 def test_every_choice_is_a_candidate(steps: list[tuple[int, bool, float]]) -> None:
-    shaper = StepShaper(trials=2, revisit_every=7)
+    layouts = LayoutTimer(trials=2, revisit_every=7)
     for outputs, decode_only, seconds in steps:
-        shape = shaper.choose(outputs, decode_only=decode_only)
+        shape = layouts.choose(outputs, decode_only=decode_only)
         assert shape in candidates(outputs, decode_only=decode_only)
         if decode_only:
-            shaper.observe(outputs, shape, seconds)
+            layouts.observe(outputs, shape, seconds)
 
 
 # ------------------------------------------------------------------ inside llama.cpp
@@ -128,7 +129,7 @@ def _prefill(backend: LlamaCppBackend, seqs: range) -> list[SeqWork]:
     ops += [SetSampler(seq, SamplingParams(temperature=0)) for seq in seqs]
     prompts = {seq: backend.tokenize(f"Session {seq} talks about boats", add_bos=False)
                for seq in seqs}
-    backend.shaper.enabled = False
+    backend.layouts.enabled = False
     sampled = backend.step(ops, [SeqWork(seq, tuple(p), 0, sample=True, prompt=True)
                                  for seq, p in prompts.items()])
     return [SeqWork(s.seq, (s.token,), len(prompts[s.seq]), sample=True) for s in sampled]
@@ -218,7 +219,7 @@ def test_llama_head_rows_are_llama_cpps_own_logits(tiny_f16_head_gguf: Path, rep
             pytest.skip(f"butter's output projection does not apply here: {ours.lm_head}")
         # Offered only where both projections exist, exactness was not asked for, and
         # butter's serves a requantized matrix (this file's output is F16).
-        assert ours.shaper.head_choice is repack and theirs.shaper.head_choice is False
+        assert ours.layouts.head_choice is repack and theirs.layouts.head_choice is False
         logits = []
         for backend in (ours, theirs):
             works = _prefill(backend, range(2))
@@ -239,7 +240,7 @@ def test_a_q8_0_head_is_not_raced_against_llama_cpps(tiny_gguf: Path) -> None:
         if head is None:
             pytest.skip(f"butter's output projection does not apply here: {backend.lm_head}")
         assert head.exact  # the file's own Q8_0 matrix: both projections read the same bytes
-        assert backend.shaper.head_choice is False  # so same seed, same tokens, every run
+        assert backend.layouts.head_choice is False  # so same seed, same tokens, every run
     finally:
         backend.close()
 
@@ -254,7 +255,7 @@ def test_the_flag_reaches_the_loaded_backend(tiny_gguf: Path, flags: list[str],
     resident = ResidentModel.load_sync(settings_from_args(args))
     try:
         assert isinstance(resident.backend, LlamaCppBackend)
-        assert resident.backend.shaper.enabled is enabled
+        assert resident.backend.layouts.enabled is enabled
         shown = resident.metadata()["step_shapes"]  # what /v1/server shows
         assert (shown is None) is not enabled
     finally:

@@ -3,8 +3,8 @@
 On llama.cpp's CPU backend the cost of a step on a small model is dominated by the output
 projection, and its matmul kernels do not scale smoothly with the number of output rows:
 more rows can cost less, and two single-row decodes less than one of two rows (the
-measurements are in docs/design/step-shaping.md, "Step shaping"). So a step can be evaluated in
-one of three shapes:
+measurements are in docs/design/step-shaping.md, "Step shaping"). So a step can be laid
+out in one of four ways (`StepLayout`):
 
 - PLAIN: the rows as they are;
 - PADDED: logits requested on scratch rows up to the next multiple of 8, so that the
@@ -15,7 +15,7 @@ one of three shapes:
   butter's kernel serves a matrix requantized to Q8_0 (Q6_K in Q4_K_M files: 30% more
   bytes), llama.cpp's reads less, and a one-row step, bound by memory, can be faster on it.
 
-Which one wins depends on the hardware and the model, so the shaper times the candidates
+Which one wins depends on the hardware and the model, so the layouts times the candidates
 on decode-only steps (the llama_decode calls only, same rows, different layout), keeps the
 fastest, and revisits the others now and then. Candidates are limited so that results stay
 exact where they were: steps with prompt rows are always PLAIN, and single rows PLAIN
@@ -35,7 +35,7 @@ MIN_PADDED_REMAINDER = 5  # pad 5-7 rows (mod 8) up; fewer would double the proj
 MAX_SPLIT_ROWS = 3
 
 
-class Shape(Enum):
+class StepLayout(Enum):
     PLAIN = "plain"
     PADDED = "padded"
     SPLIT = "split"
@@ -43,18 +43,18 @@ class Shape(Enum):
 
 
 def candidates(outputs: int, *, decode_only: bool, head_choice: bool = False
-               ) -> tuple[Shape, ...]:
+               ) -> tuple[StepLayout, ...]:
     """The shapes worth trying for a step that samples `outputs` rows (`head_choice`:
     whether llama.cpp's projection may stand in for butter's)."""
     if not decode_only:
-        return (Shape.PLAIN,)
-    shapes = [Shape.PLAIN]
+        return (StepLayout.PLAIN,)
+    shapes = [StepLayout.PLAIN]
     if head_choice:
-        shapes.append(Shape.LLAMA_HEAD)
+        shapes.append(StepLayout.LLAMA_HEAD)
     if outputs % PAD_MULTIPLE >= MIN_PADDED_REMAINDER:
-        shapes.append(Shape.PADDED)
+        shapes.append(StepLayout.PADDED)
     if 2 <= outputs <= MAX_SPLIT_ROWS:
-        shapes.append(Shape.SPLIT)
+        shapes.append(StepLayout.SPLIT)
     return tuple(shapes)
 
 
@@ -62,7 +62,7 @@ def padded_outputs(outputs: int) -> int:
     return -(-outputs // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-class StepShaper:
+class LayoutTimer:
     """Per output-row count: recent step times of each candidate shape, and the choice."""
 
     def __init__(self, *, trials: int = 3, revisit_every: int = 200, window: int = 5,
@@ -72,15 +72,15 @@ class StepShaper:
         self.enabled = enabled
         self.head_choice = head_choice  # LLAMA_HEAD is a candidate (see `candidates`)
         self._window = window
-        self._times: dict[tuple[int, Shape], deque[float]] = {}
+        self._times: dict[tuple[int, StepLayout], deque[float]] = {}
         self._since_revisit: dict[int, int] = {}
 
-    def choose(self, outputs: int, *, decode_only: bool) -> Shape:
+    def choose(self, outputs: int, *, decode_only: bool) -> StepLayout:
         if not self.enabled or not decode_only:
             # Steps with prompt rows stay as they are: padding their outputs would put a
             # prompt's first logits on other kernels than a cold prefill's (the guarantee
             # in llama_cpp.MIN_PROMPT_ROWS).
-            return Shape.PLAIN
+            return StepLayout.PLAIN
         options = self._candidates(outputs)
         if len(options) == 1:
             return options[0]
@@ -102,11 +102,11 @@ class StepShaper:
             self._since_revisit[outputs] = 0
         return best
 
-    def observe(self, outputs: int, shape: Shape, seconds: float) -> None:
+    def observe(self, outputs: int, shape: StepLayout, seconds: float) -> None:
         """Time of one decode-only step of `outputs` rows evaluated as `shape`."""
         self._timings(outputs, shape).append(seconds)
 
-    def best(self, outputs: int) -> Shape | None:
+    def best(self, outputs: int) -> StepLayout | None:
         """The fastest measured candidate, or None before every one has its trials."""
         options = self._candidates(outputs)
         timed = {s: self._times.get((outputs, s), ()) for s in options}
@@ -120,8 +120,8 @@ class StepShaper:
         chosen = {outputs: self.best(outputs) for outputs in counts}
         return {outputs: shape.value for outputs, shape in chosen.items() if shape is not None}
 
-    def _candidates(self, outputs: int) -> tuple[Shape, ...]:
+    def _candidates(self, outputs: int) -> tuple[StepLayout, ...]:
         return candidates(outputs, decode_only=True, head_choice=self.head_choice)
 
-    def _timings(self, outputs: int, shape: Shape) -> deque[float]:
+    def _timings(self, outputs: int, shape: StepLayout) -> deque[float]:
         return self._times.setdefault((outputs, shape), deque(maxlen=self._window))

@@ -1,5 +1,5 @@
 """One llama.cpp step: the works laid into the batch (padded for prompts, shaped for
-decodes, butter/backends/shaping.py), evaluated, evaluated again where llama.cpp split a
+decodes, butter/backends/step_layouts.py), evaluated, evaluated again where llama.cpp split a
 step butter's projection was armed for, and their rows sampled."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.lmhead import Verdict
 from butter.backends.logprobs import token_logprobs
-from butter.backends.shaping import Shape, StepShaper, padded_outputs
+from butter.backends.step_layouts import LayoutTimer, StepLayout, padded_outputs
 from butter.chat.request import Logprobs
 
 # (seq, batch row, output ordinal) of a row to sample
@@ -80,12 +80,12 @@ class ScoreRow:
 class Stepper:
     """Evaluates the works of a step and samples them (on the backend's thread)."""
 
-    def __init__(self, model: LlamaModel, samplers: Samplers, shaper: StepShaper, *,
+    def __init__(self, model: LlamaModel, samplers: Samplers, layouts: LayoutTimer, *,
                  separate_prompts: bool = True, pad_one_row: bool = False,
                  drafter: DraftModel | None = None) -> None:
         self._model = model
         self._samplers = samplers
-        self.shaper = shaper
+        self.layouts = layouts
         # Decode rows and a long prompt chunk in separate evaluations (SEPARATE_PROMPT_ROWS)
         self.separate_prompts = separate_prompts
         self.pad_one_row = pad_one_row  # a scratch row beside one-row steps (ONE_ROW_SCRATCH)
@@ -96,7 +96,7 @@ class Stepper:
         self._decode_seconds = 0.0  # llama_decode time of the current step
 
     def run(self, works: list[SeqWork]) -> list[StepResult]:
-        """Evaluate the works in the shape the shaper chooses; their sampled tokens."""
+        """Evaluate the works in the shape the layouts chooses; their sampled tokens."""
         if not works:
             return []
         if any(work.guess for work in works):
@@ -111,18 +111,18 @@ class Stepper:
         if any(work.drafted for work in works):  # rows computed as alone: as they are
             return self.decode(works, outputs=0)
         outputs = sum(1 for work in works if work.sample)
-        shape = self.shaper.choose(outputs, decode_only=decode_only)
+        shape = self.layouts.choose(outputs, decode_only=decode_only)
         self._decode_seconds = 0.0
-        if shape is Shape.SPLIT:
+        if shape is StepLayout.SPLIT:
             sampled: list[StepResult] = [
                 s for work in works for s in self.decode([work], outputs=0)]
-        elif shape is Shape.LLAMA_HEAD:
+        elif shape is StepLayout.LLAMA_HEAD:
             sampled = self.decode(works, outputs=0, ours=False)
         else:
-            wanted = padded_outputs(outputs) if shape is Shape.PADDED else 0
+            wanted = padded_outputs(outputs) if shape is StepLayout.PADDED else 0
             sampled = self.decode(works, outputs=wanted)
         if decode_only:  # the decodes only: sampling costs the same in every shape
-            self.shaper.observe(outputs, shape, self._decode_seconds)
+            self.layouts.observe(outputs, shape, self._decode_seconds)
         return sampled
 
     def _guessed(self, work: SeqWork) -> SeqWork:
@@ -215,7 +215,7 @@ class Stepper:
         Returns the rows to sample, the drafts' rows to verify, the rows that score a prompt
         token, the number of rows with logits, and whether scratch rows were added.
 
-        `outputs`: request logits on at least this many rows (see butter.backends.shaping),
+        `outputs`: request logits on at least this many rows (see butter.backends.step_layouts),
         first on rows that need none, then on scratch rows."""
         model = self._model
         rows = sum(len(work.tokens) for work in works)
