@@ -274,7 +274,7 @@ async def test_a_recurrent_model_reuses_its_state_only_by_extending_it(
             engine = Engine(backend, parallel=2, max_context=1024, prefill_chunk=64,
                             max_queue=4)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(engine.run)
+                nursery.start_soon(engine.step_loop)
                 try:
                     text, generation = await run(engine, prompt, seed=1, max_tokens=max_tokens,
                                                  temperature=0)
@@ -381,7 +381,7 @@ async def test_a_long_prompt_beside_a_stream_shrinks_its_chunks_to_the_stall(
     long_prompt = tokens(resident, "a very long prompt that keeps going " * 30)
     decoded_beside: list[int] = []
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with engine.generate(tokens(resident, PROMPTS[0]), SamplingParams(seed=3),
                                    200) as streaming:
             pieces = streaming.pieces()
@@ -434,7 +434,7 @@ async def test_prompts_prefilled_together_are_cut_to_the_backends_tiles(
     second = tokens(resident, "another prompt, longer than the first " * 60)[:600]
     assert (len(first), len(second)) == (300, 600)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with trio.open_nursery() as requests:
             requests.start_soon(run, engine, first, 5, 1)
             requests.start_soon(run, engine, second, 6, 1)

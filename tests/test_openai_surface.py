@@ -42,7 +42,7 @@ async def _greedy_with_logprobs(resident: ResidentModel, prompt: list[int], top:
                     max_queue=4)
     params = SamplingParams(temperature=0.0, logprobs=top)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with engine.generate(prompt, params, steps) as generation:
             async for _ in generation.pieces():
                 pass
@@ -347,7 +347,7 @@ async def test_prompt_scoring_on_both_backends(kind: str, request: pytest.Fixtur
         engine = Engine(resident.backend, parallel=2, max_context=512, prefill_chunk=8,
                         max_queue=4)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(engine.run)
+            nursery.start_soon(engine.step_loop)
             async with engine.generate_choices(prompt, [SamplingParams()], 0,
                                                prompt_top_logprobs=2) as (generation,):
                 pieces = [p async for batch in generation.pieces() for p in batch]

@@ -58,7 +58,7 @@ async def test_a_side_request_does_not_cost_a_conversation_its_cache(
     engine = resident.engine
     tokenize = resident.tokenize_prompt
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         first = tokenize(conversation("butter"))
         await run(engine, first)
         (held,) = cached_prompts(engine)

@@ -77,7 +77,7 @@ async def generate(backend: Backend, prompt: Sequence[int], params: Sequence[Sam
     texts = [b"" for _ in params]
     logprobs: list[list[Logprobs]] = [[] for _ in params]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with engine.generate_choices(prompt, params, max_tokens) as generations:
 
             async def drain(index: int) -> None:
@@ -228,7 +228,7 @@ async def test_a_request_cancelled_amid_drafts_leaves_no_draft_in_the_cache(
     (plain,) = await generate(backend, prompt, [GREEDY], 200, draft_max=0)
     engine = drafting_engine(backend)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with engine.generate(prompt, GREEDY, 200) as generation:
             async for _ in generation.pieces():
                 if generation.accepted_tokens >= 10:
@@ -581,7 +581,7 @@ async def test_tokens_generated_past_a_stop_string_leave_the_cache(
     prompt = chat(instruct, PROMPTS["copy"])
     engine = drafting_engine(backend)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(engine.run)
+        nursery.start_soon(engine.step_loop)
         async with engine.generate(prompt, GREEDY, 200) as generation:
             async for _ in generation.pieces():
                 if generation.completion_tokens >= 12:

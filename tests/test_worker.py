@@ -39,7 +39,7 @@ def test_work_runs_in_order_on_the_workers_one_thread() -> None:
         future.result()
     assert [i for i, _ in seen] == list(range(20))
     assert len({name for _, name in seen}) == 1 and seen[0][1].startswith("butter-test")
-    assert worker.run(lambda a, b: a + b, 2, b=3) == 5
+    assert worker.call(lambda a, b: a + b, 2, b=3) == 5
     worker.close()
     assert model.freed_on == [seen[0][1]]  # freed once, on that same thread
 

@@ -59,7 +59,7 @@ class BackendWorker:
         except RuntimeError:  # the thread is shut down: closed
             raise BackendError(UNLOADED) from None
 
-    def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    def call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """`submit`, waited for."""
         return self.submit(fn, *args, **kwargs).result()
 

@@ -219,7 +219,7 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
 
-    async def run(self) -> None:
+    async def step_loop(self) -> None:
         """The step loop; runs until cancelled (model unload or shutdown)."""
         self.running = True
         try:

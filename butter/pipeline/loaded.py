@@ -47,7 +47,7 @@ class LoadedModel:
     async def _run_engine(self) -> None:
         try:
             with self._engine_scope:
-                await self._resident.engine.run()
+                await self._resident.engine.step_loop()
         except Exception:  # a bug must not take the whole trio run down with it
             log.exception("the engine of %r stopped", self.id)
         finally:

@@ -86,7 +86,7 @@ class LlamaCppBackend:
         # see BackendWorker.
         self._worker = BackendWorker("butter-llama", free=self._free)
         try:
-            self.model = self._worker.run(
+            self.model = self._worker.call(
                 LlamaModel, path, n_cells=n_cells, n_seq=n_seq, cache_seqs=cache_seqs,
                 n_batch=n_batch, threads=threads, kv_type=kv_type, fast_lm_head=fast_lm_head,
                 repack=repack, fast_layers=fast_layers,
@@ -122,7 +122,7 @@ class LlamaCppBackend:
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
             try:
-                self._worker.run(self.model.verify_lm_head)
+                self._worker.call(self.model.verify_lm_head)
             except BaseException:
                 self.close()
                 raise
@@ -143,12 +143,12 @@ class LlamaCppBackend:
         self.placement: TeamPlacement | None = None
         self.placement_off: str | None = "--no-fit-threads" if not fit_threads else None
         if self.team_sizer is not None:
-            self._worker.run(self._place_team)
+            self._worker.call(self._place_team)
 
     def _load_drafter(self, path: Path, *, required: bool, threads: int) -> None:
         model = self.model
         try:
-            self.drafter = self._worker.run(
+            self.drafter = self._worker.call(
                 DraftModel, path, target_vocab=model.vocab, n_cells=model.n_cells,
                 n_seq=model.pad_seq + 1, threads=threads)
         except ModelLoadError as exc:
@@ -264,7 +264,7 @@ class LlamaCppBackend:
             return self.model.tokenize(text, add_bos=add_bos)
 
     def write_out(self, texts: Iterable[str]) -> None:
-        self._worker.run(self.model.write_out, list(texts))
+        self._worker.call(self.model.write_out, list(texts))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         with self._worker.using():
@@ -289,9 +289,9 @@ class LlamaCppBackend:
     def _step(self, ops: list[KvOp], works: list[SeqWork]) -> list[StepResult]:
         outcomes: list[StepResult] = list(apply_kv_ops(self, ops))
         if self.team_sizer is None:  # (--no-fit-threads: nothing to time)
-            return outcomes + self.stepper.run(works)
+            return outcomes + self.stepper.evaluate(works)
         started = time.perf_counter()
-        outcomes += self.stepper.run(works)
+        outcomes += self.stepper.evaluate(works)
         seconds = time.perf_counter() - started
         if works and not any(work.prompt for work in works):
             self.pace.observe(sum(len(work.tokens) + work.guess for work in works), seconds)
@@ -318,7 +318,7 @@ class LlamaCppBackend:
     def resize_team(self, threads: int) -> None:
         """Compute the next steps on `threads` threads (1 to --threads), from any thread;
         with --fit-threads the team sizer may change it again after a window of steps."""
-        self._worker.run(self._set_threads, threads)
+        self._worker.call(self._set_threads, threads)
 
     def _set_threads(self, threads: int) -> None:
         """`resize_team` on the backend's thread."""

@@ -95,7 +95,7 @@ class Stepper:
         self.separated_steps = 0  # steps whose decode rows went first, on their own
         self._decode_seconds = 0.0  # llama_decode time of the current step
 
-    def run(self, works: list[SeqWork]) -> list[StepResult]:
+    def evaluate(self, works: list[SeqWork]) -> list[StepResult]:
         """Evaluate the works in the shape the layouts chooses; their sampled tokens."""
         if not works:
             return []
@@ -106,7 +106,7 @@ class Stepper:
         if (self.separate_prompts and not decode_only and len(prompting) < len(works)
                 and sum(len(work.tokens) for work in prompting) >= SEPARATE_PROMPT_ROWS):
             self.separated_steps += 1
-            decoded = self.run([work for work in works if not work.prompt])
+            decoded = self.evaluate([work for work in works if not work.prompt])
             return decoded + self.decode(prompting, outputs=0)
         if any(work.drafted for work in works):  # rows computed as alone: as they are
             return self.decode(works, outputs=0)

@@ -89,7 +89,7 @@ class MlxBackend:
 
     def cached_bytes(self, seq: int) -> int:
         """Bytes of KV state the session holds (its row of the batch, if batched)."""
-        return self._worker.run(self.caches.cached_bytes, seq)  # mlx work stays on its thread
+        return self._worker.call(self.caches.cached_bytes, seq)  # mlx work stays on its thread
 
     # ------------------------------------------------------------------ text and checks
 
