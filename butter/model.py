@@ -21,10 +21,9 @@ import trio
 
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason, TextPrompt, Usage
+from butter.pipeline.answer import answering
 from butter.pipeline.loaded import LoadedModel
-from butter.pipeline.output import LogprobsDelta, OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration, prepare
-from butter.pipeline.run import finish_reason, generated_events, running, usage
 from butter.protocol import openai
 from butter.settings import ServeSettings, usable_cores
 
@@ -89,13 +88,11 @@ class Model(LoadedModel):
         chat_template_kwargs, reasoning_effort.
         """
         prepared = self._prepare(prompt, options)
-        assembler = OutputAssembler(prepared)
-        async with running(self.resident, prepared) as generation:
-            async for event in generated_events(generation, assembler):
-                if event is not None and not isinstance(event, LogprobsDelta):
+        async with answering(self.resident, prepared) as answer:
+            async for event in answer.first.events():
+                if isinstance(event, Event):  # (not the logprobs)
                     yield Piece.of(event)
-        yield Piece(finish_reason=finish_reason(generation, assembler),
-                    usage=usage(generation))
+        yield Piece(finish_reason=answer.first.finish_reason, usage=answer.first.usage)
 
     def _prepare(self, prompt: Prompt, options: Mapping[str, Any]) -> PreparedGeneration:
         # Options are validated by the chat request's parser, as an HTTP client's would be.

@@ -4,7 +4,8 @@
       -> prepare: chat template, tokens, context fit          (prepare.py)
       -> run: admission and the engine, always released       (run.py)
       -> output: pieces -> text, reasoning and tool-call events (output.py)
-      -> finish reason and usage                              (run.py)
+      -> answer: each choice's events, then its finish reason, usage, timings and
+         prompt progress: all an encoder reads                (answer.py)
 
 The resident model (backend + engine + template) is in resident.py; a loaded model with
 its engine task running, which the library and the server both hold, in loaded.py.

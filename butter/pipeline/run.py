@@ -1,26 +1,50 @@
-"""Running a prepared generation on the resident engine: admission, events, outcome."""
+"""Running a prepared generation on the resident engine: admission, events, the log's
+outcome. (What encoders read of a running request is butter/pipeline/answer.py.)"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import attrs
 import trio
 
 from butter.chat.markup import Event
-from butter.chat.request import FinishReason, Timings, Usage
+from butter.chat.request import Usage
 from butter.engine.engine import EngineStopped
 from butter.engine.generation import Generation
-from butter.errors import ButterError, ModelReplaced
+from butter.errors import ModelReplaced
 from butter.pipeline.output import LogprobsDelta, OutputAssembler
 from butter.pipeline.prepare import PreparedGeneration, choice_params
 from butter.pipeline.resident import ResidentModel
 
 
-class GenerationFailed(ButterError):
-    status = 500
+@attrs.frozen
+class Outcome:
+    """How a request ended, as its log line says it: its first choice, as the engine saw
+    it. The server logs this, never the engine's request itself."""
+
+    # The engine's ending ("stop", "length", "error", "aborted"), "tool_calls" for a stop
+    # that called tools; None: not ended yet (its client left).
+    finish: str | None
+    usage: Usage
+    drafted_tokens: int
+    accepted_tokens: int
+
+    @classmethod
+    def of(cls, generation: Generation, tool_calls: int) -> Outcome:
+        finish = generation.finish_reason
+        return cls(
+            finish="tool_calls" if tool_calls and finish == "stop" else finish,
+            usage=Usage(generation.prompt_tokens, generation.completion_tokens,
+                        generation.cached_tokens),
+            drafted_tokens=generation.drafted_tokens,
+            accepted_tokens=generation.accepted_tokens)
+
+
+def _unlogged(observer: RequestObserver, outcome: Outcome | None, cancelled: bool) -> None:
+    """A request nobody logs (the library's)."""
 
 
 @attrs.define
@@ -28,7 +52,9 @@ class RequestObserver:
     """Timing of one request, for metrics and its log line (the server makes one)."""
 
     route: str
-    on_finish: Callable[[RequestObserver, Generation | None, bool], None]
+    # Called once the request's generations are released: its outcome (None: it was never
+    # admitted) and whether its client left.
+    on_finish: Callable[[RequestObserver, Outcome | None, bool], None] = _unlogged
     started: float = attrs.field(factory=time.perf_counter)
     first_output: float | None = None
     tool_calls: int = 0  # parsed from the output (its finish reason says tool_calls)
@@ -40,16 +66,6 @@ class RequestObserver:
     def output(self) -> None:
         if self.first_output is None:
             self.first_output = time.perf_counter()
-
-
-@asynccontextmanager
-async def running(
-    resident: ResidentModel, prepared: PreparedGeneration,
-    observer: RequestObserver | None = None,
-) -> AsyncIterator[Generation]:
-    """The request's generation on the resident engine, admitted and always released."""
-    async with running_choices(resident, prepared, observer) as (generation, *_):
-        yield generation
 
 
 @asynccontextmanager
@@ -74,13 +90,14 @@ async def running_choices(
         raise
     finally:
         if observer is not None:
-            observer.on_finish(observer, generations[0] if generations else None, cancelled)
+            outcome = Outcome.of(generations[0], observer.tool_calls) if generations else None
+            observer.on_finish(observer, outcome, cancelled)
 
 
 async def generated_events(
     generation: Generation, assembler: OutputAssembler, *, heartbeat: float | None = None,
     observer: RequestObserver | None = None,
-) -> AsyncIterator[Event | LogprobsDelta | None]:
+) -> AsyncGenerator[Event | LogprobsDelta | None, None]:
     """Parsed output events, then the logprobs of the tokens they came from (when the
     request asked); None for a heartbeat (no output for `heartbeat` seconds)."""
     async for pieces in generation.pieces(heartbeat=heartbeat):
@@ -116,39 +133,3 @@ def _feed_until_stop(assembler: OutputAssembler, pieces: list[bytes]) -> tuple[l
         if assembler.stopped:
             return events, used
     return events, len(pieces)
-
-
-def finish_reason(generation: Generation, assembler: OutputAssembler) -> FinishReason:
-    """Why the answer ended; raises if it ended by an error or an unload."""
-    if generation.finish_reason == "aborted":
-        raise ModelReplaced(generation.error or "the model was unloaded")
-    if generation.finish_reason == "error":
-        raise GenerationFailed(generation.error or "generation failed")
-    if assembler.tool_calls:
-        return "tool_calls"
-    if assembler.stopped:
-        return "stop"
-    return "length" if generation.finish_reason == "length" else "stop"
-
-
-def usage(generation: Generation, *others: Generation) -> Usage:
-    """The prompt once (and its cached part as the first choice found it), the completion
-    tokens of every choice."""
-    return Usage(
-        prompt_tokens=generation.prompt_tokens,
-        completion_tokens=sum(g.completion_tokens for g in (generation, *others)),
-        cached_tokens=generation.cached_tokens,
-    )
-
-
-def timings(generation: Generation) -> Timings:
-    """From the engine's timestamps (a generation that never got a session: zeros)."""
-    leased = generation.leased_at
-    first = generation.first_token_at
-    end = generation.finished_at or time.perf_counter()
-    prompt_ms = 0.0 if leased is None or first is None else (first - leased) * 1000
-    predicted_ms = 0.0 if first is None else (end - first) * 1000
-    return Timings(cached_tokens=generation.cached_tokens,
-                   prompt_tokens=generation.prompt_tokens - generation.cached_tokens,
-                   prompt_ms=prompt_ms, predicted_tokens=generation.completion_tokens,
-                   predicted_ms=predicted_ms)

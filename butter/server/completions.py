@@ -13,19 +13,13 @@ from typing import Any
 import trio
 
 from butter.chat.markup import ContentDelta
-from butter.chat.request import Logprobs, TextPrompt, Usage
-from butter.engine.generation import Generation
+from butter.chat.request import TextPrompt, Usage
 from butter.errors import ButterError
-from butter.pipeline.output import LogprobsDelta, OutputAssembler
+from butter.pipeline.answer import Answer, Choice, answering, prompt_alone, total_usage
+from butter.pipeline.output import LogprobsDelta
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
-from butter.pipeline.run import (
-    RequestObserver,
-    finish_reason,
-    generated_events,
-    running_choices,
-    usage,
-)
+from butter.pipeline.run import RequestObserver
 from butter.protocol import completions as wire
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event
@@ -58,7 +52,7 @@ async def complete(
     choices.sort(key=lambda choice: int(choice["index"]))
     return wire.completion_body(
         completion_id=new_completion_id(), model=resident.model_id, created=openai.now(),
-        choices=choices, usage=_total(usages))
+        choices=choices, usage=total_usage(usages))
 
 
 async def _complete_prompt(
@@ -66,44 +60,31 @@ async def _complete_prompt(
     observer: RequestObserver | None, choices: list[dict[str, Any]], usages: list[Usage],
 ) -> None:
     """One prompt's choices, numbered from `first`."""
-    if prepared.max_tokens == 0 and prepared.request.score_prompt is None:  # echo only
-        choices.append(wire.choice_body(first, _echo(prepared, echo), "length", None))
-        usages.append(Usage(len(prepared.prompt), 0, 0))
+    if alone := prompt_alone(prepared):  # (an echo alone)
+        choices.append(wire.choice_body(first, _echo(prepared, echo), alone.finish_reason,
+                                        None))
+        usages.append(alone.usage)
         return
-    async with running_choices(resident, prepared, observer) as generations:
-        for offset, generation in enumerate(generations):
-            choices.append(await _choice(prepared, generation, generations[0],
-                                         first + offset, echo, observer))
-    usages.append(usage(*generations))
+    async with answering(resident, prepared, observer) as answer:
+        for offset, choice in enumerate(answer.choices):
+            choices.append(await _choice(prepared, answer, choice, first + offset, echo))
+    usages.append(answer.usage)
 
 
-async def _choice(prepared: PreparedGeneration, generation: Generation, scorer: Generation,
-                  index: int, echo: bool, observer: RequestObserver | None
-                  ) -> dict[str, Any]:
-    assembler = OutputAssembler(prepared)
-    text = [_echo(prepared, echo)]
-    logprobs: list[Logprobs] = []
-    async for event in generated_events(generation, assembler, observer=observer):
-        if isinstance(event, LogprobsDelta):
-            logprobs.extend(event.entries)
-        elif isinstance(event, ContentDelta):  # (a raw prompt's output is text only)
-            text.append(event.text)
-    reason = finish_reason(generation, assembler)
+async def _choice(prepared: PreparedGeneration, answer: Answer, choice: Choice, index: int,
+                  echo: bool) -> dict[str, Any]:
+    echoed = _echo(prepared, echo)
+    whole = await choice.whole()  # (a raw prompt's output is text only)
+    text = echoed + whole.text
     if prepared.params.logprobs is None:
-        return wire.choice_body(index, "".join(text), reason, None)
+        return wire.choice_body(index, text, choice.finish_reason, None)
     if prepared.request.score_prompt is None:
-        return wire.choice_body(index, "".join(text), reason,
-                                wire.logprobs_body(logprobs, len(text[0])))
-    prompt = scorer.prompt_logprobs  # the echoed prompt's own, then the generated tokens'
-    body = wire.logprobs_body([*prompt, *logprobs], 0,
-                              first_token=wire.first_token_text(text[0], prompt))
-    return wire.choice_body(index, "".join(text), reason, body)
-
-
-def _total(usages: list[Usage]) -> Usage:
-    return Usage(sum(u.prompt_tokens for u in usages),
-                 sum(u.completion_tokens for u in usages),
-                 sum(u.cached_tokens for u in usages))
+        return wire.choice_body(index, text, choice.finish_reason,
+                                wire.logprobs_body(whole.logprobs, len(echoed)))
+    prompt = answer.first.prompt_logprobs  # the echoed prompt's own, then the answer's
+    body = wire.logprobs_body([*prompt, *whole.logprobs], 0,
+                              first_token=wire.first_token_text(echoed, prompt))
+    return wire.choice_body(index, text, choice.finish_reason, body)
 
 
 class _Chunks:
@@ -119,10 +100,10 @@ class _Chunks:
             completion_id=self.completion_id, model=self.model_id, created=self.created,
             choices=[wire.choice_body(index, text, reason, logprobs)], usage=None))
 
-    def usage(self, usages: list[Usage]) -> bytes:
+    def usage(self, usage: Usage) -> bytes:
         return data_event(wire.completion_body(
             completion_id=self.completion_id, model=self.model_id, created=self.created,
-            choices=[], usage=_total(usages)))
+            choices=[], usage=usage))
 
     def failed(self, error: ButterError) -> bytes:
         return data_event(error.openai_body()) + DONE
@@ -146,35 +127,33 @@ async def _frames(
     usages: list[Usage] = []
     for prompt_index, one in enumerate(prepared):
         first = prompt_index * one.request.n
-        if one.max_tokens == 0 and one.request.score_prompt is None:
-            yield Flush(chunks.chunk(first, _echo(one, echo), "length"))
-            usages.append(Usage(len(one.prompt), 0, 0))
+        if alone := prompt_alone(one):
+            yield Flush(chunks.chunk(first, _echo(one, echo), alone.finish_reason))
+            usages.append(alone.usage)
             continue
-        async with running_choices(resident, one, observer) as generations:
-            for offset, generation in enumerate(generations):
-                choice = _choice_frames(one, generation, generations[0], chunks,
-                                        first + offset, echo, observer)
-                async with aclosing(choice):
-                    async for frame in choice:
+        async with answering(resident, one, observer) as answer:
+            for offset, choice in enumerate(answer.choices):
+                frames = _choice_frames(one, answer, choice, chunks, first + offset, echo)
+                async with aclosing(frames):
+                    async for frame in frames:
                         yield frame
-        usages.append(usage(*generations))
-    yield (chunks.usage(usages) if include_usage else b"") + DONE
+        usages.append(answer.usage)
+    yield (chunks.usage(total_usage(usages)) if include_usage else b"") + DONE
 
 
 async def _choice_frames(
-    prepared: PreparedGeneration, generation: Generation, scorer: Generation,
-    chunks: _Chunks, index: int, echo: bool, observer: RequestObserver | None,
+    prepared: PreparedGeneration, answer: Answer, choice: Choice, chunks: _Chunks,
+    index: int, echo: bool,
 ) -> AsyncGenerator[Frame, None]:
     """One choice's chunks: the echoed prompt (once its scores are known), the text and
     its logprobs, the finish reason."""
     written = len(_echo(prepared, echo))
     logged = written  # where the tokens of the next logprobs begin
     echoed = not echo
-    assembler = OutputAssembler(prepared)
-    async for event in generated_events(generation, assembler, observer=observer):
+    async for event in choice.events():
         if not echoed:  # (the prompt's scores are known from here on)
             echoed = True
-            yield Flush(_echo_chunk(chunks, index, prepared, scorer))
+            yield Flush(_echo_chunk(chunks, index, prepared, answer))
         if isinstance(event, LogprobsDelta):
             yield chunks.chunk(index, "", logprobs=wire.logprobs_body(list(event.entries),
                                                                       logged))
@@ -183,16 +162,16 @@ async def _choice_frames(
             yield chunks.chunk(index, event.text)
             written += len(event.text)
     if not echoed:
-        yield _echo_chunk(chunks, index, prepared, scorer)
-    yield chunks.chunk(index, "", finish_reason(generation, assembler))
+        yield _echo_chunk(chunks, index, prepared, answer)
+    yield chunks.chunk(index, "", choice.finish_reason)
 
 
 def _echo_chunk(chunks: _Chunks, index: int, prepared: PreparedGeneration,
-                scorer: Generation) -> bytes:
+                answer: Answer) -> bytes:
     """The echoed prompt, with its own logprobs when they were asked for."""
     text = _echo(prepared, True)
     if prepared.request.score_prompt is None:
         return chunks.chunk(index, text)
-    prompt = scorer.prompt_logprobs
+    prompt = answer.first.prompt_logprobs
     return chunks.chunk(index, text, logprobs=wire.logprobs_body(
         prompt, 0, first_token=wire.first_token_text(text, prompt)))

@@ -8,16 +8,11 @@ from typing import Any
 
 from butter.chat.markup import Event, ReasoningDelta, ToolCall
 from butter.errors import ButterError
-from butter.pipeline.output import (
-    LogprobsDelta,
-    OutputAssembler,
-    OutputBlocks,
-    ReasoningBlock,
-    TextBlock,
-)
+from butter.pipeline.answer import Choice, Heartbeat, answering
+from butter.pipeline.output import ReasoningBlock, TextBlock
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
-from butter.pipeline.run import RequestObserver, finish_reason, generated_events, running, usage
+from butter.pipeline.run import RequestObserver
 from butter.protocol import anthropic
 from butter.protocol.sse import named_event
 from butter.server.streaming import Flush, Frame, encoded
@@ -35,19 +30,19 @@ async def create(
     resident: ResidentModel, prepared: PreparedGeneration,
     observer: RequestObserver | None = None, *, show_thinking: bool = True,
 ) -> dict[str, Any]:
-    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
-    answer = OutputBlocks()
-    async with running(resident, prepared, observer) as generation:
-        async for event in generated_events(generation, assembler, observer=observer):
-            if event is not None:
-                answer.add(event)
-    finish = finish_reason(generation, assembler)
+    async with answering(resident, prepared, observer,
+                         call_id_prefix=TOOL_USE_ID_PREFIX) as answer:
+        whole = await answer.first.whole()
     return anthropic.message_body(
         message_id=new_message_id(), model=resident.model_id,
-        content=[_content_block(block, show_thinking) for block in answer.blocks],
-        stop=anthropic.stop_reason(finish, assembler.matched_stop),
-        stop_sequence=assembler.matched_stop, usage=usage(generation),
+        content=[_content_block(block, show_thinking) for block in whole.blocks],
+        stop=_stop_reason(answer.first), stop_sequence=answer.first.matched_stop,
+        usage=answer.usage,
     )
+
+
+def _stop_reason(choice: Choice) -> anthropic.StopReason:
+    return anthropic.stop_reason(choice.finish_reason, choice.matched_stop)
 
 
 def _content_block(block: TextBlock | ReasoningBlock | ToolCall, show_thinking: bool
@@ -127,27 +122,24 @@ def stream(
 async def _frames(resident: ResidentModel, prepared: PreparedGeneration,
                   blocks: _StreamBlocks, observer: RequestObserver | None
                   ) -> AsyncGenerator[Frame, None]:
-    assembler = OutputAssembler(prepared, call_id_prefix=TOOL_USE_ID_PREFIX)
-    async with running(resident, prepared, observer) as generation:
-        await generation.attached.wait()  # the cached prefix is known from here on
+    async with answering(resident, prepared, observer,
+                         call_id_prefix=TOOL_USE_ID_PREFIX) as answer:
+        choice = answer.first
+        await choice.cache_known()
         start = anthropic.message_body(
             message_id=new_message_id(), model=resident.model_id, content=[], stop=None,
-            stop_sequence=None, usage=usage(generation),
+            stop_sequence=None, usage=answer.usage,
         )
         yield Flush(named_event("message_start", {"type": "message_start", "message": start}))
-        async for event in generated_events(
-            generation, assembler, heartbeat=PING_INTERVAL_SECONDS, observer=observer
-        ):
-            if event is None:
+        async for event in choice.events(heartbeat=PING_INTERVAL_SECONDS):
+            if isinstance(event, Heartbeat):
                 yield named_event("ping", {"type": "ping"})
-            elif not isinstance(event, LogprobsDelta):  # (the Messages API has no logprobs)
+            elif isinstance(event, Event):  # (the Messages API has no logprobs)
                 yield b"".join(blocks.on(event))
-    finish = finish_reason(generation, assembler)
     delta = {
         "type": "message_delta",
-        "delta": {"stop_reason": anthropic.stop_reason(finish, assembler.matched_stop),
-                  "stop_sequence": assembler.matched_stop},
-        "usage": anthropic.usage_body(usage(generation)),
+        "delta": {"stop_reason": _stop_reason(choice), "stop_sequence": choice.matched_stop},
+        "usage": anthropic.usage_body(answer.usage),
     }
     yield b"".join([*blocks.close(), named_event("message_delta", delta),
                     named_event("message_stop", {"type": "message_stop"})])

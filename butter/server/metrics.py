@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from butter.engine.engine import Engine
-from butter.engine.generation import Generation
+from butter.pipeline.run import Outcome
 
 log = logging.getLogger("butter.requests")
 
@@ -115,19 +115,18 @@ class Metrics:
         return bytes(generate_latest(self.registry))
 
 
-def log_request(route: str, generation: Generation | None, *, tool_calls: int = 0,
-                ttft: float | None, duration: float, cancelled: bool) -> None:
+def log_request(route: str, outcome: Outcome | None, *, ttft: float | None, duration: float,
+                cancelled: bool) -> None:
     """The request's one log line (`butter.requests`), its finish reason as the response
     says it."""
     shown_ttft = "-" if ttft is None else f"{ttft:.3f}"
-    if generation is None:
+    if outcome is None:
         log.info("%s admission_failed duration=%.3f cancelled=%s", route, duration, cancelled)
         return
+    usage = outcome.usage
     log.info(
         "%s finish=%s prompt=%d cached=%d completion=%d drafts=%d/%d ttft=%s "
-        "duration=%.3f cancelled=%s", route,
-        "tool_calls" if tool_calls and generation.finish_reason == "stop"
-        else generation.finish_reason,
-        generation.prompt_tokens, generation.cached_tokens, generation.completion_tokens,
-        generation.accepted_tokens, generation.drafted_tokens, shown_ttft, duration, cancelled,
+        "duration=%.3f cancelled=%s", route, outcome.finish,
+        usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens,
+        outcome.accepted_tokens, outcome.drafted_tokens, shown_ttft, duration, cancelled,
     )

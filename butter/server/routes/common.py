@@ -14,12 +14,11 @@ import trio
 from quart import Response, current_app, request
 
 from butter.chat.request import GenerationRequest
-from butter.engine.generation import Generation
 from butter.errors import InvalidRequest, ModelNotFound
 from butter.pipeline import prepare as preparing
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
-from butter.pipeline.run import RequestObserver
+from butter.pipeline.run import Outcome, RequestObserver
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.holders import ModelHolder
 from butter.server.metrics import Metrics, log_request
@@ -140,16 +139,13 @@ def model_card(resident: ResidentModel) -> dict[str, Any]:
     }
 
 
-def _finish(
-    metrics: Metrics,
-) -> Callable[[RequestObserver, Generation | None, bool], None]:
-    def finish(watch: RequestObserver, generation: Generation | None,
-               cancelled: bool) -> None:
+def _finish(metrics: Metrics) -> Callable[[RequestObserver, Outcome | None, bool], None]:
+    def finish(watch: RequestObserver, outcome: Outcome | None, cancelled: bool) -> None:
         if cancelled:
             metrics.cancellations.inc()
         if watch.ttft is not None:
             metrics.ttft.observe(watch.ttft)
-        log_request(watch.route, generation, tool_calls=watch.tool_calls, ttft=watch.ttft,
+        log_request(watch.route, outcome, ttft=watch.ttft,
                     duration=time.perf_counter() - watch.started, cancelled=cancelled)
 
     return finish
