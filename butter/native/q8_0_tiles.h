@@ -29,7 +29,16 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define BUTTER_X86 1
+/* GCC 12 warns of its own placeholder in every AVX-512 conversion it inlines
+ * (`__m512 __Y = __Y` in _mm512_undefined_ps, GCC bug 105593): not of butter's code. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 #define VNNI_TARGET __attribute__((target("avx512f,avx512vnni,f16c")))
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 #endif

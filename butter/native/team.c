@@ -92,6 +92,7 @@ int32_t butter_team_place(int32_t n, const int32_t *cpus, size_t cpus_bytes, int
 #endif
 }
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_team", NULL, -1, NULL};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_team", NULL, -1,
+                                    NULL, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__team(void) { return PyModule_Create(&module); }

@@ -12,9 +12,12 @@ Any other weight, type or op stays with llama.cpp.
 
 It applies where: the extension is built, the CPU has AVX2 (FMA, F16C) or AVX512-VNNI,
 llama.cpp runs on the CPU, its extra buffer types are on (they are off with
-`--deterministic`), and the ggml structures the library mirrors match the running ggml:
-checked here before anything is registered, field by field, on tensors and a buffer the
-running ggml made. Once registered, each type's kernel computes probe products through a
+`--deterministic`), and the running ggml is the one the library mirrors: its commit and
+version first (ggml_abi.h names the one the mirror was copied from: another llama.cpp,
+such as a newer llama-cpp-python installed for a newer model, runs on llama.cpp's own
+kernels, and the log and `/v1/server` say why), then, field by field, tensors and a buffer
+the running ggml made, read through the mirror. Nothing inside llama.cpp is touched before
+all of these pass. Once registered, each type's kernel computes probe products through a
 real ggml graph against llama.cpp's own (`self_check`); a type that disagrees stays with
 llama.cpp, and `/v1/server` says why. Registration is once per process and must come
 before llama.cpp first lists its buffer types, at its first model load; `register` runs
@@ -28,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +50,7 @@ from butter.backends.kernels import (
     isa_of,
     requested_isa,
 )
+from butter.backends.llama_cpp import ggml_abi as abi
 from butter.backends.native import Unavailable
 
 log = logging.getLogger(__name__)
@@ -53,9 +58,11 @@ T = TypeVar("T")
 
 _P, _I32, _I64, _SIZE = native.P, native.I32, native.I64, native.SIZE
 
-# What this module and layer_matmul.cpp agree on (BUTTER_LAYER_MATMUL_ABI_VERSION there).
-ABI_VERSION = 11
+# What this module and the library agree on (butter/native/ggml_abi.h, read as ggml_abi.py).
+ABI_VERSION = abi.LAYER_MATMUL_ABI_VERSION
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "butter_layer_matmul_ggml_commit": (ctypes.c_char_p, []),
+    "butter_layer_matmul_header_check": (_I32, []),
     "butter_layer_matmul_mirror": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_buffer_type_name": (ctypes.c_char_p, [_P]),
     "butter_layer_matmul_best_isa": (_I32, []),
@@ -73,25 +80,25 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_buffer_type": (_P, []),
     "butter_layer_matmul_accept": (_I32, [_I32]),
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
-    "butter_layer_matmul_drop_buffer_type": (_I32, [_P, ctypes.c_char_p]),
+    "butter_layer_matmul_drop_buffer_type": (_I32, [ctypes.c_char_p]),
 }
-OK, DECLINED = 0, 1
-# Q8_0, Q6_K and Q5_K matrices stored, their bytes, matmuls run, their rows, Q4_1, Q5_0 and
-# Q4_K matrices stored, attentions computed, their query rows
-COUNTERS = 11
-# butter_layer_matmul_mirror: tensor size, F32, Q8_0, Q6_K, Q5_K, MUL_MAT, Q4_1, Q5_0, Q4_K,
-# FLASH_ATTN_EXT, F16
-MIRRORED = 11
+OK, DECLINED = abi.OK, abi.DECLINED
+COUNTERS = abi.COUNTERS
+MIRRORED = abi.MIRRORED
 # ggml_tensor_overhead() is a ggml_object (32 bytes) plus a ggml_tensor.
 GGML_OBJECT_BYTES = 32
-# The C++ function that hands out the CPU backend's extra buffer types (mangled name of
-# `std::vector<ggml_backend_buffer_type_t> & ggml_backend_cpu_get_extra_buffer_types()`).
-EXTRA_BUFFER_TYPES_SYMBOL = "_Z39ggml_backend_cpu_get_extra_buffer_typesv"
 ISA_VARIABLE = "BUTTER_KERNEL_ISA"  # (shared with the output projection: lmhead.py)
+# Set to 1, butter's kernels may run on a ggml other than the one they mirror (a build of
+# another llama.cpp known to be compatible): the structure checks and self-checks decide.
+GGML_COMMIT_OK_VARIABLE = "BUTTER_GGML_COMMIT_OK"
 
 # butter_layer_matmul_check_mirror's bits: the mirrored fields that disagree.
-MIRROR_FIELDS = ("type", "ne", "nb", "data", "name", "view_src/view_offs", "op/src",
-                 "buffer", "buffer type", "extra", "(ggml could not make the probes)")
+MIRROR_FIELDS = {
+    abi.FIELD_TYPE: "type", abi.FIELD_NE: "ne", abi.FIELD_NB: "nb", abi.FIELD_DATA: "data",
+    abi.FIELD_NAME: "name", abi.FIELD_VIEW: "view_src/view_offs", abi.FIELD_OP: "op/src",
+    abi.FIELD_BUFFER: "buffer", abi.FIELD_BUFT: "buffer type", abi.FIELD_EXTRA: "extra",
+    abi.FIELD_SETUP: "(ggml could not make the probes)",
+}
 
 # The self-check's probe products, one per shape class a model's matmuls fall in: one row
 # (a single stream), a partial pass of the AVX2 kernel (5 = 4 + 1), a whole pass of 8; n
@@ -147,7 +154,16 @@ class LayerMatmul:
         out = (ctypes.c_int64 * COUNTERS)()
         if self._lib.butter_layer_matmul_counters(out, ctypes.sizeof(out)) != OK:
             raise RuntimeError("butter_layer_matmul_counters refused its buffer")
-        return Counters(*(int(value) for value in out))
+        return Counters(
+            q8_0_matrices=out[abi.COUNTER_Q8_0_MATRICES],
+            q6_k_matrices=out[abi.COUNTER_Q6_K_MATRICES],
+            q5_k_matrices=out[abi.COUNTER_Q5_K_MATRICES],
+            packed_bytes=out[abi.COUNTER_PACKED_BYTES], matmuls=out[abi.COUNTER_MATMULS],
+            rows=out[abi.COUNTER_ROWS], q4_1_matrices=out[abi.COUNTER_Q4_1_MATRICES],
+            q5_0_matrices=out[abi.COUNTER_Q5_0_MATRICES],
+            q4_k_matrices=out[abi.COUNTER_Q4_K_MATRICES],
+            attentions=out[abi.COUNTER_ATTENTIONS],
+            attention_rows=out[abi.COUNTER_ATTENTION_ROWS])
 
     def decode_attention(self, on: bool) -> None:
         """Whether butter computes the attention of steps of fewer than 64 query rows over an
@@ -207,6 +223,15 @@ _why_not: str | None = None
 # CPU): at the llama.cpp commit butter links, a decode with weights stored there crashes the
 # process (SIGSEGV in ggml_backend_amx_mul_mat, llama-cpp-python alone included, while the
 # CPU runs AMX tiles fine). Weights go to the repacked layouts instead, as on AVX512 CPUs.
+#
+# Taking it out of llama.cpp's list is surgery on a std::vector inside llama.cpp, so it runs
+# only where butter's kernels register: after the ggml commit and every mirror check passed
+# (`_register`). With BUTTER_KERNEL_ISA=none, or on another ggml, butter touches nothing
+# inside llama.cpp, and the AMX type stays listed; loading.py then turns llama.cpp's weight
+# repacking (the extra buffer types, AMX among them) off and says so in the log, which is as
+# safe and only slower. Decided so that "none" means butter's native code stays out of
+# llama.cpp entirely (the way to tell a butter bug from a llama.cpp one), and that on a
+# ggml butter does not know it neither writes into it nor guesses where its crash is fixed.
 CRASHING_BUFFER_TYPES = (b"AMX",)
 dropped_buffer_types: list[str] = []  # what `register` took out of llama.cpp's list
 
@@ -218,10 +243,6 @@ def register() -> None:
     with _registering:
         if _registered is not None or _why_not is not None:
             return
-        try:
-            _drop_crashing_buffer_types()
-        except Unavailable:
-            pass  # (no library: nothing could be taken out; loading.py checks the list)
         try:
             _registered = _register()
         except Unavailable as exc:
@@ -248,6 +269,56 @@ def _ggml_libraries() -> tuple[Any, Any]:
     return native.loaded_library("libggml-base.so.0"), native.loaded_library("libggml-cpu.so.0")
 
 
+def ggml_build(base: Any) -> tuple[str, str]:
+    """The loaded ggml's ggml_commit() and ggml_version() ("" for one it lacks)."""
+    found = []
+    for name in ("ggml_commit", "ggml_version"):
+        try:
+            function = getattr(base, name)
+        except AttributeError:
+            found.append("")
+            continue
+        function.argtypes, function.restype = [], ctypes.c_char_p
+        value = function()
+        found.append(value.decode(errors="replace") if value else "")
+    return found[0], found[1]
+
+
+def ggml_differs(commit: str, version: str, package: str) -> str:
+    """Why a ggml of this commit and version, in this llama-cpp-python release, is not the
+    one butter's mirror was copied from (ggml_abi.h); "" if it is. A build records git's
+    short hash of the llama.cpp it compiled ("-dirty" added where the tree had changed, as a
+    build from the sdist always has), or "unknown" where it was built outside git: then the
+    llama-cpp-python release vouches for the commit."""
+    short = commit.removesuffix("-dirty")
+    if short == "unknown":
+        same = package == abi.LLAMA_CPP_PYTHON_VERSION
+    else:
+        same = bool(re.fullmatch(r"[0-9a-f]{7,40}", short)) and abi.GGML_COMMIT.startswith(short)
+    if same and version == abi.GGML_VERSION:
+        return ""
+    return (f"not the llama.cpp butter's kernels mirror: ggml {version or '(no version)'} at "
+            f"commit {commit or '(none)'} in llama-cpp-python {package} (they mirror ggml "
+            f"{abi.GGML_VERSION} at {abi.GGML_COMMIT[:7]}, llama-cpp-python "
+            f"{abi.LLAMA_CPP_PYTHON_VERSION})")
+
+
+def _check_ggml_build(base: Any) -> None:
+    """The running ggml must be the one the library mirrors, before anything reads or
+    changes its state through the mirror; else Unavailable, and a line in the log."""
+    why = ggml_differs(*ggml_build(base), llama_cpp.__version__)
+    if not why:
+        return
+    if os.environ.get(GGML_COMMIT_OK_VARIABLE) == "1":
+        log.warning("%s; %s=1: butter's structure checks and self-checks decide", why,
+                    GGML_COMMIT_OK_VARIABLE)
+        return
+    log.warning("butter's layer kernels and attention are off, llama.cpp computes them: %s "
+                "(%s=1 tries butter's anyway, after its structure checks)", why,
+                GGML_COMMIT_OK_VARIABLE)
+    raise Unavailable(why)
+
+
 def ggml_type_name(number: int) -> str:
     """ggml's own name of a type number ("q8_0", "q6_K", "f16"; ggml does not check the
     number: only types of a file llama.cpp loaded)."""
@@ -257,12 +328,26 @@ def ggml_type_name(number: int) -> str:
     return name.decode() if name else f"type {number}"
 
 
+# The mirror's place of each type butter has kernels for.
+_TYPE_PLACES = {"q8_0": abi.MIRROR_TYPE_Q8_0, "q6_K": abi.MIRROR_TYPE_Q6_K,
+                "q5_K": abi.MIRROR_TYPE_Q5_K, "q4_K": abi.MIRROR_TYPE_Q4_K,
+                "q4_1": abi.MIRROR_TYPE_Q4_1, "q5_0": abi.MIRROR_TYPE_Q5_0}
+
+
+def _mirror_figures(lib: Any) -> list[int]:
+    mirror = (ctypes.c_int64 * MIRRORED)()
+    if lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror)) != OK:
+        raise Unavailable("the library refused to report its mirror")
+    return [int(value) for value in mirror]
+
+
 def _check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     """The library mirrors a few ggml structures and numbers; they must be this ggml's."""
-    mirror = (ctypes.c_int64 * MIRRORED)()
-    lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    tensor_bytes, f32, q8_0, q6_k, q5_k, mul_mat, q4_1, q5_0, q4_k, attention, f16 = (
-        int(v) for v in mirror)
+    mirror = _mirror_figures(lib)
+    tensor_bytes, f32, f16 = (mirror[abi.MIRROR_TENSOR_BYTES], mirror[abi.MIRROR_TYPE_F32],
+                              mirror[abi.MIRROR_TYPE_F16])
+    q8_0, q6_k, q5_k, q4_k, q4_1, q5_0 = (mirror[place] for place in _TYPE_PLACES.values())
+    mul_mat, attention = mirror[abi.MIRROR_OP_MUL_MAT], mirror[abi.MIRROR_OP_FLASH_ATTN_EXT]
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -317,15 +402,15 @@ def _listed_extra_buffer_types(base: Any, cpu: Any, device: int) -> list[int]:
     return found
 
 
-def _drop_crashing_buffer_types() -> None:
-    if llama_cpp.llama_supports_gpu_offload():
-        return
-    lib = _library()
-    _, cpu = _ggml_libraries()
-    extra_buffer_types = ctypes.cast(getattr(cpu, EXTRA_BUFFER_TYPES_SYMBOL), _P)
+def _drop_crashing_buffer_types(lib: Any) -> None:
+    """Takes CRASHING_BUFFER_TYPES out of llama.cpp's list (the library refuses until its
+    mirror check passed)."""
     for name in CRASHING_BUFFER_TYPES:
-        if lib.butter_layer_matmul_drop_buffer_type(extra_buffer_types, name) == OK:
+        status = lib.butter_layer_matmul_drop_buffer_type(name)
+        if status == OK:
             dropped_buffer_types.append(name.decode())
+        elif status != DECLINED:
+            raise Unavailable(f"could not take {name.decode()} out (status {status})")
 
 
 def listed_buffer_type_names() -> list[str]:
@@ -357,7 +442,7 @@ def _check_mirror_fields(lib: Any) -> None:
     wrong = ctypes.c_int32()
     if lib.butter_layer_matmul_check_mirror(ctypes.byref(wrong)) != OK:
         raise Unavailable("the mirror check could not run")
-    fields = [name for bit, name in enumerate(MIRROR_FIELDS) if wrong.value & (1 << bit)]
+    fields = [name for bit, name in sorted(MIRROR_FIELDS.items()) if wrong.value & (1 << bit)]
     if fields:
         raise Unavailable(f"this ggml's structures differ from the mirror ({', '.join(fields)})")
 
@@ -383,10 +468,8 @@ def self_check(lib: Any, ggml_type: int, *, perturbation: float) -> str:
 def _self_checked_types(lib: Any, isa: Isa) -> dict[str, str]:
     """Each type the ISA's kernels cover: "butter", or "llama.cpp (why)"; and the library
     told which to accept."""
-    mirror = (ctypes.c_int64 * MIRRORED)()
-    lib.butter_layer_matmul_mirror(mirror, ctypes.sizeof(mirror))
-    numbers = {"q8_0": int(mirror[2]), "q6_K": int(mirror[3]), "q5_K": int(mirror[4]),
-               "q4_1": int(mirror[6]), "q5_0": int(mirror[7]), "q4_K": int(mirror[8])}
+    mirror = _mirror_figures(lib)
+    numbers = {name: mirror[place] for name, place in _TYPE_PLACES.items()}
     verdicts: dict[str, str] = {}
     accepted = 0
     for name in butter_layer_types(isa):
@@ -432,19 +515,16 @@ def _register() -> LayerMatmul:
     if llama_cpp.llama_supports_gpu_offload():
         raise Unavailable("a GPU build of llama.cpp")
     lib = _library()
-    try:
-        isa, why = requested_isa(os.environ.get(ISA_VARIABLE),
-                                 isa_of(int(lib.butter_layer_matmul_best_isa())))
-    except ValueError as exc:
-        raise Unavailable(str(exc)) from None
-    if isa is Isa.NONE:
-        raise Unavailable(why or "this CPU has neither AVX512-VNNI nor AVX2 (with FMA, F16C)")
     base, cpu = _ggml_libraries()
+    _check_ggml_build(base)
+    isa = _chosen_isa(lib)  # (none: nothing inside llama.cpp is touched either)
     _check_mirror(lib, base, cpu)
+    _check_headers(lib)
     addresses = _function_addresses(lib, base, cpu)
     if lib.butter_layer_matmul_bind(addresses, len(addresses)) != OK:
         raise Unavailable("the library refused ggml's functions")
     _check_mirror_fields(lib)
+    _drop_crashing_buffer_types(lib)  # only now: see CRASHING_BUFFER_TYPES
     device = _cpu_device(base, cpu)
     wanted = sum(TYPE_BITS[name] for name in butter_layer_types(isa))
     status = lib.butter_layer_matmul_register(device, isa_number(isa), wanted)
@@ -459,6 +539,25 @@ def _register() -> LayerMatmul:
     registered.decode_attention(registered.attention == "butter")
     registered.prompt_attention(registered.attention == "butter")
     return registered
+
+
+def _chosen_isa(lib: Any) -> Isa:
+    """The kernels BUTTER_KERNEL_ISA asks for, at most this CPU's best; Unavailable for none."""
+    try:
+        isa, why = requested_isa(os.environ.get(ISA_VARIABLE),
+                                 isa_of(int(lib.butter_layer_matmul_best_isa())))
+    except ValueError as exc:
+        raise Unavailable(str(exc)) from None
+    if isa is Isa.NONE:
+        raise Unavailable(why or "this CPU has neither AVX512-VNNI nor AVX2 (with FMA, F16C)")
+    return isa
+
+
+def _check_headers(lib: Any) -> None:
+    """A library compiled against ggml's headers (BUTTER_GGML_SOURCE) checked the mirror's
+    layout at build; what only runs, the vtable slots, is checked here."""
+    if lib.butter_layer_matmul_header_check() == abi.HEADERS_DISAGREE:
+        raise Unavailable("the mirror's virtual functions are not in the slots of ggml's")
 
 
 def _on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
