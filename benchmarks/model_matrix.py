@@ -28,9 +28,9 @@ existing tokens. English tokenizes at ~1.3 tokens per word, like the real tokeni
 
 Weights are random normal (std 0.02 for matrices, 1 + N(0, 0.02) for norms, seeded per
 tensor name: same seed, same bytes), written as F16 (norms F32) one tensor at a time by
-the test suite's GGUF writer (``butter.testing.tiny_gguf``: ``real_vocabulary``,
+the test suite's GGUF writer (``butter.testing.real_shapes``: ``real_vocabulary``,
 ``write_real_shape_gguf``), then quantized by llama.cpp's own quantizer through
-llama-cpp-python (``tiny_gguf.quantize_gguf``, 2 threads). The matrix: Qwen3 shape in
+llama-cpp-python (``real_shapes.quantize_gguf``, 2 threads). The matrix: Qwen3 shape in
 Q4_K_M, Q8_0 and Q6_K; Llama shape in Q4_K_M, Q8_0 and Q5_K_M. In Q4_K_M, Q5_K_M and
 Q6_K files the tied token embedding (the output matrix) is Q6_K, in Q8_0 files Q8_0.
 
@@ -96,7 +96,7 @@ import gguf
 
 from benchmarks.harness import ServerSpec, free_port, running_server, wait_ready
 from butter.backends.gguf_tensors import read_header
-from butter.testing import tiny_gguf
+from butter.testing import gguf_writer, real_shapes
 
 DEFAULT_DIR: Final = Path.home() / ".cache" / "butter-bench" / "models"
 SEED: Final = 0
@@ -129,11 +129,11 @@ CODE_SUFFIXES: Final = (".py", ".md", ".rst", ".txt")
 
 @dataclass(frozen=True)
 class Shape:
-    """One real model of the matrix: its shape (tiny_gguf's), the size of its BPE vocabulary
+    """One real model of the matrix: its shape (gguf_writer's), the size of its BPE vocabulary
     before the added tokens, llama.cpp's pre-tokenizer name, and the quantizations to write."""
 
     name: str
-    model: tiny_gguf.Shape
+    model: gguf_writer.Shape
     n_bpe: int
     pre: str
     quants: tuple[str, ...]
@@ -141,7 +141,7 @@ class Shape:
 
 QWEN3_0_6B: Final = Shape(
     name="qwen3-0.6b-shape",
-    model=tiny_gguf.Shape(
+    model=gguf_writer.Shape(
         arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
         n_ff=3072, n_vocab=151_936, n_ctx_train=40_960, rope_theta=1_000_000.0,
         rms_eps=1e-6, qk_norm=True,
@@ -150,7 +150,7 @@ QWEN3_0_6B: Final = Shape(
 )  # fmt: skip
 LLAMA32_1B: Final = Shape(
     name="llama3.2-1b-shape",
-    model=tiny_gguf.Shape(
+    model=gguf_writer.Shape(
         arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, head_dim=64,
         n_ff=8192, n_vocab=128_256, n_ctx_train=131_072, rope_theta=500_000.0,
         rms_eps=1e-5, llama3_rope=True,
@@ -397,15 +397,15 @@ def trained_vocab(out_dir: Path, pre: str, n_tokens: int) -> Vocab:
 
 
 def write_f16(out_dir: Path, shape: Shape, vocab: Vocab) -> Path:
-    """The F16 GGUF of ``shape``, by butter.testing.tiny_gguf's writer: the real model's
+    """The F16 GGUF of ``shape``, by butter.testing's GGUF writer: the real model's
     tokenizer layout around ``vocab``, random weights seeded per tensor name, one tensor at
     a time (the largest tensor is the peak memory: 0.5 GB for the Llama shape's
     embedding)."""
     target = f16_path(out_dir, shape)
     if target.exists():
         return target
-    layout = tiny_gguf.real_vocabulary(shape.model, vocab.tokens, vocab.merges, shape.pre)
-    return tiny_gguf.write_real_shape_gguf(target, shape.model, layout, name=shape.name,
+    layout = real_shapes.real_vocabulary(shape.model, vocab.tokens, vocab.merges, shape.pre)
+    return real_shapes.write_real_shape_gguf(target, shape.model, layout, name=shape.name,
                                            seed=SEED)
 
 
@@ -430,9 +430,9 @@ def native_output_to(path: Path) -> Iterator[None]:
 
 
 def quantize(source: Path, target: Path, quant: str, threads: int = QUANT_THREADS) -> None:
-    """llama.cpp's quantizer (tiny_gguf.quantize_gguf), its log in TARGET.quantize.log."""
+    """llama.cpp's quantizer (real_shapes.quantize_gguf), its log in TARGET.quantize.log."""
     with native_output_to(target.with_name(target.name + ".quantize.log")):
-        tiny_gguf.quantize_gguf(source, target, quant, threads=threads)
+        real_shapes.quantize_gguf(source, target, quant, threads=threads)
 
 
 # --------------------------------------------------------------------- build

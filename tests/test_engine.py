@@ -48,7 +48,7 @@ async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
     backend.step([], [])
     fresh = Engine(backend, parallel=4, max_context=1024, prefill_chunk=64, max_queue=8)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fresh.run)
+        nursery.start_soon(fresh.step_loop)
         yield fresh
         nursery.cancel_scope.cancel()
     # Forget everything this engine cached, so the next test starts cold.

@@ -118,7 +118,7 @@ async def engine(backend: LlamaCppBackend) -> AsyncIterator[Engine]:
     fresh = Engine(cast(Backend, gated), parallel=1, max_context=1024, prefill_chunk=64,
                    max_queue=8, cache_ram_bytes=64 * 2**20)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(fresh.run)
+        nursery.start_soon(fresh.step_loop)
         yield fresh
         nursery.cancel_scope.cancel()
     gated.gate.set()

@@ -10,7 +10,7 @@ import jinja2.sandbox
 import llama_cpp
 import pytest
 
-from butter.testing import tiny_gguf
+from butter.testing import gguf_writer, real_shapes, tiny_gguf
 
 # ASCII, whitespace runs, contractions, digits, multi-byte UTF-8 (2, 3 and
 # 4 bytes, plus a variation selector) and ChatML/tool/think markup.
@@ -156,11 +156,11 @@ def test_chat_template_renders_tools() -> None:
 # tokenizer layout (Qwen3's added tokens and [PAD] up to the size, Llama 3's 256 specials).
 N_BPE = len(tiny_gguf.tiny_bpe()[0])
 SMALL_SHAPES = {
-    "qwen3": tiny_gguf.Shape(
+    "qwen3": gguf_writer.Shape(
         arch="qwen3", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
-        n_vocab=N_BPE + len(tiny_gguf.QWEN3_ADDED) + 10, n_ctx_train=40_960,
+        n_vocab=N_BPE + len(real_shapes.QWEN3_ADDED) + 10, n_ctx_train=40_960,
         rope_theta=1_000_000.0, rms_eps=1e-6, qk_norm=True),
-    "llama": tiny_gguf.Shape(
+    "llama": gguf_writer.Shape(
         arch="llama", n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512,
         n_vocab=N_BPE + 256, n_ctx_train=131_072, rope_theta=500_000.0, rms_eps=1e-5,
         llama3_rope=True),
@@ -177,10 +177,10 @@ def test_a_real_shape_written_f16_and_quantized_by_llama_cpp_loads(
 
     shape = SMALL_SHAPES[arch]
     bpe, merges = tiny_gguf.tiny_bpe()
-    vocab = tiny_gguf.real_vocabulary(shape, bpe, merges, "qwen2" if arch == "qwen3" else
+    vocab = real_shapes.real_vocabulary(shape, bpe, merges, "qwen2" if arch == "qwen3" else
                                       "llama-bpe")
-    f16 = tiny_gguf.write_real_shape_gguf(tmp_path / "f16.gguf", shape, vocab, name=arch)
-    q4 = tiny_gguf.quantize_gguf(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", threads=1)
+    f16 = real_shapes.write_real_shape_gguf(tmp_path / "f16.gguf", shape, vocab, name=arch)
+    q4 = real_shapes.quantize_gguf(f16, tmp_path / "q4_k_m.gguf", "Q4_K_M", threads=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f16.gguf", "q4_k_m.gguf"]
 
     keys = ["general.architecture", "general.file_type", f"{arch}.block_count",
