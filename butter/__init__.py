@@ -1,7 +1,7 @@
 """butter: an OpenAI- and Anthropic-compatible HTTP server for local LLMs.
 
-The library API (see docs/library.md): `Model`, `generate`, `FixedModel`,
-`SwappableModel`, `ServeServer`.
+The library API (see docs/library.md): `Model`, `generate`, `FixedHolder`,
+`SwappableHolder`, `ServeServer`.
 """
 
 from __future__ import annotations
@@ -10,22 +10,24 @@ import warnings
 from typing import Any
 
 from butter.model import Model, Piece, generate
-from butter.server.holders import FixedModel, SwappableModel
+from butter.server.holders import FixedHolder, SwappableHolder
 from butter.server.serve import ServeServer
 from butter.version import __version__
 
 __all__ = [
-    "FixedModel",
+    "FixedHolder",
     "Model",
     "Piece",
     "ServeServer",
-    "SwappableModel",
+    "SwappableHolder",
     "__version__",
     "generate",
 ]
 
-# The model holders' names before they were told apart from the model backends.
-_RENAMED = {"ButterServeBackend": FixedModel, "ResidentServeBackend": SwappableModel}
+# The model holders' earlier names: before they were told apart from the model backends,
+# then from the model they hold.
+_RENAMED = {"ButterServeBackend": FixedHolder, "ResidentServeBackend": SwappableHolder,
+            "FixedModel": FixedHolder, "SwappableModel": SwappableHolder}
 
 
 def __getattr__(name: str) -> Any:

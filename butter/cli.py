@@ -13,11 +13,11 @@ import trio
 from butter.bench import command as bench_command
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_aura_decode_path, parse_kv_cache
+from butter.model import Model
 from butter.models import ModelCatalog, resolve_model
-from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
 from butter.server.access import ANY, ApiKeys, is_loopback_name
-from butter.server.holders import SwappableModel
+from butter.server.holders import SwappableHolder
 from butter.server.serve import ServeServer
 from butter.settings import ServeSettings, serve_flags
 
@@ -113,16 +113,16 @@ async def serve_command(settings: ServeSettings) -> None:
     warnings = access_warnings(settings, keys)
     for warning in warnings:
         log.warning(warning)
-    model = await LoadedModel.from_settings(settings)  # boot failures end here, in one line
+    model = await Model.from_settings(settings)  # boot failures end here, in one line
     catalog = model_catalog(settings)
     boot_ids = {settings.model, settings.alias or settings.model}
 
-    async def load(model_id: str) -> LoadedModel:
+    async def load(model_id: str) -> Model:
         if model_id in boot_ids:
-            return await LoadedModel.from_settings(settings)
-        return await LoadedModel.from_settings(settings, model_id, catalog.resolve(model_id))
+            return await Model.from_settings(settings)
+        return await Model.from_settings(settings, model_id, catalog.resolve(model_id))
 
-    holder = SwappableModel(
+    holder = SwappableHolder(
         loader=load, initial=model, initial_model_id=settings.model,
         allow_swap=settings.allow_swap, catalog=catalog,
     )
@@ -145,7 +145,9 @@ async def serve_command(settings: ServeSettings) -> None:
             nursery.start_soon(_exit_if_shutdown_hangs, server)
             # The model's lines are taken before the server listens: a request could swap
             # the model before this task runs again.
-            model_lines = _model_lines(holder.current)
+            resident = holder.resident
+            assert resident is not None  # (the holder was given the loaded model)
+            model_lines = _model_lines(resident)
             host, port = await nursery.start(_serve_then_stop_helpers, server, nursery)
             _print_banner([*model_lines, *(f"  WARNING: {line}" for line in warnings)],
                           host, port, server.routes(), ui=settings.ui)

@@ -13,8 +13,10 @@ client disconnect.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Self
 
 import attrs
 import trio
@@ -22,10 +24,12 @@ import trio
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason, TextPrompt, Usage
 from butter.pipeline.answer import answering
-from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.prepare import PreparedGeneration, prepare
+from butter.pipeline.resident import ResidentModel
 from butter.protocol import openai
 from butter.settings import ServeSettings, usable_cores
+
+log = logging.getLogger("butter")
 
 # The library's default session pool: the README example serves 8 concurrent requests.
 DEFAULT_LIBRARY_PARALLEL = 8
@@ -52,8 +56,56 @@ class Piece:
         return cls(tool_call=event)
 
 
-class Model(LoadedModel):
-    """A loaded model with its engine running, and generation for trio code."""
+class Model:
+    """A loaded model (its ResidentModel) whose engine runs as a trio system task until
+    `aclose`, and generation for trio code. What the library and the server both hold.
+
+    A system task, so that the engine outlives whichever task loaded the model: in-process
+    calls and HTTP requests of one model share one engine and one admission queue."""
+
+    def __init__(self, resident: ResidentModel) -> None:
+        """Use `await Model.load(...)` or `Model.from_settings(...)`; this wraps an already
+        loaded model."""
+        self._resident = resident
+        self._engine_scope = trio.CancelScope()
+        self._engine_done = trio.Event()
+        self._closed = False
+        trio.lowlevel.spawn_system_task(self._run_engine, name=f"butter engine {self.id}")
+
+    @classmethod
+    async def from_settings(cls, settings: ServeSettings, model: str | None = None,
+                            path: Path | None = None) -> Self:
+        """Load `model` (default: settings.model) in a worker thread; the trio loop keeps
+        running meanwhile. `path`: the file `model` names, where resolved already."""
+        return cls(await ResidentModel.load(settings, model, path))
+
+    @property
+    def id(self) -> str:
+        return self._resident.model_id
+
+    @property
+    def resident(self) -> ResidentModel:
+        """The loaded model's parts (backend, engine, template)."""
+        return self._resident
+
+    async def _run_engine(self) -> None:
+        try:
+            with self._engine_scope:
+                await self._resident.engine.step_loop()
+        except Exception:  # a bug must not take the whole trio run down with it
+            log.exception("the engine of %r stopped", self.id)
+        finally:
+            self._engine_done.set()
+
+    async def aclose(self, reason: str = "the model was unloaded") -> None:
+        """End every request of this model, stop its engine and free its memory."""
+        if self._closed:
+            return
+        self._closed = True
+        self._resident.engine.abort_all(reason)
+        self._engine_scope.cancel()
+        await self._engine_done.wait()
+        await trio.to_thread.run_sync(self._resident.close)
 
     @classmethod
     async def load(

@@ -27,7 +27,7 @@ async def main(model_id: str) -> None:
         if piece.usage is not None:
             print(f"\n  finish={piece.finish_reason} usage={piece.usage}")
 
-    holder = butter.FixedModel(model=model, model_id="my-model", maximum_concurrent_requests=8)
+    holder = butter.FixedHolder(model=model, model_id="my-model", maximum_concurrent_requests=8)
     server = butter.ServeServer(host="127.0.0.1", port=0, holder=holder)
     async with trio.open_nursery() as nursery:
         host, port = await nursery.start(server.serve)  # port 0: the OS picks a free one

@@ -14,6 +14,7 @@ import trio
 from butter.chat.markup import ContentDelta
 from butter.chat.request import GenerationRequest, TextPrompt, Usage
 from butter.errors import ModelReplaced
+from butter.model import Model
 from butter.pipeline.answer import (
     Answer,
     AnswerEvent,
@@ -23,7 +24,6 @@ from butter.pipeline.answer import (
     prompt_alone,
     total_usage,
 )
-from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.output import LogprobsDelta
 from butter.pipeline.prepare import PreparedGeneration, prepare
 from butter.pipeline.run import Outcome, RequestObserver
@@ -39,8 +39,8 @@ WEATHER = {"type": "function", "function": {
 
 
 @pytest.fixture
-async def loaded(tiny_gguf: Path) -> AsyncIterator[LoadedModel]:
-    model = await LoadedModel.from_settings(ServeSettings(
+async def loaded(tiny_gguf: Path) -> AsyncIterator[Model]:
+    model = await Model.from_settings(ServeSettings(
         model=str(tiny_gguf), parallel=2, max_context=512, threads=2))
     yield model
     await model.aclose()
@@ -52,7 +52,7 @@ def greedy(max_tokens: int, *, logprobs: int | None = None, **fields: Any) -> Ge
                              max_tokens=max_tokens, **fields)
 
 
-async def answered(loaded: LoadedModel, request: GenerationRequest, **options: Any
+async def answered(loaded: Model, request: GenerationRequest, **options: Any
                    ) -> tuple[PreparedGeneration, Answer, list[AnswerEvent]]:
     """The request answered to its end: its first choice's events, read as a stream would."""
     prepared = prepare(loaded.resident, request)
@@ -65,7 +65,7 @@ def text_of(events: list[AnswerEvent]) -> str:
     return "".join(event.text for event in events if isinstance(event, ContentDelta))
 
 
-async def test_a_choice_cut_by_max_tokens_ends_by_length(loaded: LoadedModel) -> None:
+async def test_a_choice_cut_by_max_tokens_ends_by_length(loaded: Model) -> None:
     prepared, answer, events = await answered(loaded, greedy(6, logprobs=2))
     choice = answer.first
     assert choice.finish_reason == "length" and choice.matched_stop is None
@@ -83,7 +83,7 @@ async def test_a_choice_cut_by_max_tokens_ends_by_length(loaded: LoadedModel) ->
     assert spent.total == pytest.approx(spent.prompt + spent.answer)
 
 
-async def test_a_repeated_prompt_is_answered_from_the_cache(loaded: LoadedModel) -> None:
+async def test_a_repeated_prompt_is_answered_from_the_cache(loaded: Model) -> None:
     _, _, first_events = await answered(loaded, greedy(4))
     prepared, again, events = await answered(loaded, greedy(4))
     assert text_of(events) == text_of(first_events)  # greedy: the same answer
@@ -94,7 +94,7 @@ async def test_a_repeated_prompt_is_answered_from_the_cache(loaded: LoadedModel)
     assert timings.predicted_tokens == usage.completion_tokens == 4
 
 
-async def test_a_stop_string_ends_the_choice_where_it_matched(loaded: LoadedModel) -> None:
+async def test_a_stop_string_ends_the_choice_where_it_matched(loaded: Model) -> None:
     _, whole, events = await answered(loaded, greedy(16))
     full = text_of(events)
     stop = next(event.text for event in events[1:]
@@ -107,7 +107,7 @@ async def test_a_stop_string_ends_the_choice_where_it_matched(loaded: LoadedMode
     assert stopped.timings.predicted_tokens == choice.usage.completion_tokens
 
 
-async def test_a_tool_call_ends_the_choice_with_tool_calls(loaded: LoadedModel) -> None:
+async def test_a_tool_call_ends_the_choice_with_tool_calls(loaded: Model) -> None:
     request = openai.generation_request(openai.parse_chat_request({
         "messages": [{"role": "user", "content": "weather?"}], "tools": [WEATHER],
         "tool_choice": "required", "max_tokens": 100, "temperature": 0.0}))
@@ -120,7 +120,7 @@ async def test_a_tool_call_ends_the_choice_with_tool_calls(loaded: LoadedModel) 
     assert answer.usage.completion_tokens < 100  # it ended with the call
 
 
-async def test_prompt_progress_is_reported_until_the_first_output(loaded: LoadedModel) -> None:
+async def test_prompt_progress_is_reported_until_the_first_output(loaded: Model) -> None:
     for _ in range(2):  # cold, then from the cache
         _, answer, events = await answered(loaded, greedy(3), progress=True)
         first_output = next(i for i, event in enumerate(events)
@@ -142,7 +142,7 @@ async def test_prompt_progress_is_reported_until_the_first_output(loaded: Loaded
 
 
 async def test_choices_share_their_prompt_and_add_up_their_tokens(
-        loaded: LoadedModel) -> None:
+        loaded: Model) -> None:
     request = GenerationRequest(TextPrompt(PROMPT), SamplingParams(temperature=0.9, seed=3),
                                 max_tokens=5, n=2)
     prepared = prepare(loaded.resident, request)
@@ -156,7 +156,7 @@ async def test_choices_share_their_prompt_and_add_up_their_tokens(
     assert answer.timings == answer.first.timings  # the choice that evaluated the prompt
 
 
-async def test_a_cancelled_answer_releases_its_generation(loaded: LoadedModel) -> None:
+async def test_a_cancelled_answer_releases_its_generation(loaded: Model) -> None:
     ended: list[tuple[Outcome | None, bool]] = []
     observer = RequestObserver(route="test", on_finish=lambda _, outcome, cancelled:
                                ended.append((outcome, cancelled)))
@@ -173,7 +173,7 @@ async def test_a_cancelled_answer_releases_its_generation(loaded: LoadedModel) -
 
 
 async def test_an_unloaded_model_ends_the_answer_with_model_replaced(
-        loaded: LoadedModel) -> None:
+        loaded: Model) -> None:
     prepared = prepare(loaded.resident, greedy(200))
     async with answering(loaded.resident, prepared) as answer:
         async for _ in answer.first.events():

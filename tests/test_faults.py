@@ -50,7 +50,7 @@ async def served(tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
     fault = FaultyStep(backend._step)  # what runs on the backend's thread, however called
     monkeypatch.setattr(backend, "_step", fault)
     server = butter.ServeServer(host="127.0.0.1", port=0,
-                                holder=butter.FixedModel(model=model, model_id="tiny"))
+                                holder=butter.FixedHolder(model=model, model_id="tiny"))
     try:
         async with trio.open_nursery() as nursery:
             host, port = await nursery.start(server.serve)

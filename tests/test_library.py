@@ -34,7 +34,7 @@ async def serve(nursery: trio.Nursery, holder: object) -> str:
 async def test_in_process_equals_http_for_the_same_seed(model: butter.Model) -> None:
     in_process = await model.generate(MESSAGES, **OPTIONS)
     async with trio.open_nursery() as nursery:
-        base = await serve(nursery, butter.FixedModel(model=model, model_id="tiny"))
+        base = await serve(nursery, butter.FixedHolder(model=model, model_id="tiny"))
         async with httpx.AsyncClient(timeout=30) as client:
             response = await client.post(f"{base}/v1/chat/completions", json={
                 "model": "tiny", "messages": MESSAGES, **OPTIONS})
@@ -89,7 +89,7 @@ async def test_resident_backend_swaps_via_http(tmp_path: Path) -> None:
         return await butter.Model.load(str(paths.get(model_id, model_id)), parallel=2,
                                        max_context=1024, alias=model_id)
 
-    backend = butter.SwappableModel(loader=loader, initial_model_id="a")
+    backend = butter.SwappableHolder(loader=loader, initial_model_id="a")
     async with trio.open_nursery() as nursery:
         base = await serve(nursery, backend)
         async with httpx.AsyncClient(timeout=30) as client:
@@ -141,19 +141,23 @@ async def test_a_request_prepared_while_its_model_unloads_gets_model_replaced(
 
 
 def test_the_model_holders_names_before_their_rename_still_work_and_warn() -> None:
-    with pytest.warns(DeprecationWarning, match="FixedModel"):
-        assert butter.ButterServeBackend is butter.FixedModel  # type: ignore[attr-defined]
-    with pytest.warns(DeprecationWarning, match="SwappableModel"):
-        assert butter.ResidentServeBackend is butter.SwappableModel  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="FixedHolder"):
+        assert butter.ButterServeBackend is butter.FixedHolder  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="SwappableHolder"):
+        assert butter.ResidentServeBackend is butter.SwappableHolder  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="FixedHolder"):
+        assert butter.FixedModel is butter.FixedHolder  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match="SwappableHolder"):
+        assert butter.SwappableModel is butter.SwappableHolder  # type: ignore[attr-defined]
     with pytest.warns(DeprecationWarning, match="holder="):
         server = butter.ServeServer(host="127.0.0.1", port=0,
-                                    backend=butter.FixedModel.__new__(butter.FixedModel))
-    assert isinstance(server.holder, butter.FixedModel)
+                                    backend=butter.FixedHolder.__new__(butter.FixedHolder))
+    assert isinstance(server.holder, butter.FixedHolder)
     with pytest.warns(DeprecationWarning, match="holder"):
         assert server.backend is server.holder
     sys.modules.pop("butter.server.backends", None)  # (its warning comes with the import)
     with pytest.warns(DeprecationWarning, match="holders"):
         import butter.server.backends as old_module
-    assert old_module.ButterServeBackend is butter.FixedModel
+    assert old_module.ButterServeBackend is butter.FixedHolder
     with pytest.raises(AttributeError):
         butter.NoSuchName  # type: ignore[attr-defined]  # noqa: B018

@@ -18,7 +18,7 @@ import trio.testing
 from prometheus_client.parser import text_string_to_metric_families
 
 from butter.errors import ModelLoadError, ModelNotFound, NoModelLoaded
-from butter.server.holders import SwappableModel
+from butter.server.holders import SwappableHolder
 from butter.server.readiness import Readiness
 from tests.conftest import ServerProcess
 
@@ -118,7 +118,7 @@ class FakeLoaded:
         self.resident.engine.running = False
 
 
-def _backend_whose_loads_wait() -> tuple[SwappableModel, trio.Event]:
+def _backend_whose_loads_wait() -> tuple[SwappableHolder, trio.Event]:
     """A backend serving "old" whose loads finish once the event is set."""
     release = trio.Event()
 
@@ -126,7 +126,7 @@ def _backend_whose_loads_wait() -> tuple[SwappableModel, trio.Event]:
         await release.wait()
         return FakeLoaded(model_id)
 
-    backend = SwappableModel(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    backend = SwappableHolder(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
     return backend, release
 
 
@@ -167,7 +167,7 @@ async def test_a_failed_swap_and_restore_leave_no_model_until_one_loads() -> Non
             raise ModelLoadError(f"{model_id} is gone")
         return FakeLoaded(model_id)
 
-    backend = SwappableModel(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
+    backend = SwappableHolder(loader=load, initial=FakeLoaded("old"))  # type: ignore[arg-type]
     readiness = Readiness(backend)
     with pytest.raises(NoModelLoaded, match="'old' could not be reloaded"):
         await backend.resident_for("bad")

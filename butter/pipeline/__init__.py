@@ -7,6 +7,6 @@
       -> answer: each choice's events, then its finish reason, usage, timings and
          prompt progress: all an encoder reads                (answer.py)
 
-The resident model (backend + engine + template) is in resident.py; a loaded model with
-its engine task running, which the library and the server both hold, in loaded.py.
+The resident model (backend + engine + template) is in resident.py; butter.Model (the
+library's, butter/model.py) runs its engine as a trio task, and the server holds one too.
 """

@@ -1,10 +1,9 @@
-"""What a ServeServer serves: the model holder, a fixed model or a resident model that
-requests can swap ("backend" is the word for the model library below the engine).
+"""What a ServeServer serves: a holder of one butter.Model (the library's model is served as
+it is), fixed or swapped by requests ("backend" is the word for the model library below
+the engine).
 
-Both take a LoadedModel (butter.Model is one: the library's model is served as it is).
-
-- `FixedModel(model=..., model_id=...)`: one Model, never swapped.
-- `SwappableModel(loader=..., initial_model_id=...)`: one resident Model at a time,
+- `FixedHolder(model=..., model_id=...)`: one Model, never swapped.
+- `SwappableHolder(loader=..., initial_model_id=...)`: one resident Model at a time,
   swapped when a request names another id. In-flight and queued requests of the old model
   end (their clients are told the model was replaced), the old model is freed, the new
   one is loaded, and the request proceeds. Requests arriving meanwhile wait, in order. A
@@ -21,13 +20,13 @@ from typing import Protocol
 import trio
 
 from butter.errors import InvalidRequest, ModelLoadError, ModelNotFound, NoModelLoaded
+from butter.model import Model
 from butter.models import InvalidModelId, ModelCatalog, check_gguf_file
-from butter.pipeline.loaded import LoadedModel
 from butter.pipeline.resident import ResidentModel
 
 log = logging.getLogger("butter")
 
-Loader = Callable[[str], Awaitable[LoadedModel]]
+Loader = Callable[[str], Awaitable[Model]]
 
 
 class ModelHolder(Protocol):
@@ -35,9 +34,6 @@ class ModelHolder(Protocol):
 
     swaps: int
     allow_swap: bool
-
-    @property
-    def current(self) -> ResidentModel: ...
 
     @property
     def resident(self) -> ResidentModel | None:
@@ -80,20 +76,20 @@ def catalog_precheck(catalog: ModelCatalog) -> Callable[[str], None]:
     return check
 
 
-def _not_served(model: str, current: ResidentModel, why: str) -> ModelNotFound:
+def _not_served(model: str, serving: ResidentModel, why: str) -> ModelNotFound:
     return ModelNotFound(
-        f"model {model!r} is not available; this server serves {current.model_id!r}{why}",
+        f"model {model!r} is not available; this server serves {serving.model_id!r}{why}",
         param="model",
     )
 
 
-class FixedModel:
+class FixedHolder:
     """Serve one already loaded Model under `model_id`; other ids get 404."""
 
     allow_swap = False
     swapping = False  # never: this holder serves one model
 
-    def __init__(self, *, model: LoadedModel, model_id: str | None = None,
+    def __init__(self, *, model: Model, model_id: str | None = None,
                  maximum_concurrent_requests: int | None = None) -> None:
         self.model = model
         self.swaps = 0
@@ -110,20 +106,16 @@ class FixedModel:
             resident.engine.limit_slots(maximum_concurrent_requests)
 
     @property
-    def current(self) -> ResidentModel:
-        return self.model.resident
-
-    @property
-    def resident(self) -> ResidentModel | None:
+    def resident(self) -> ResidentModel:
         return self.model.resident
 
     def swappable(self) -> list[str]:
         return []
 
     async def resident_for(self, model: str | None) -> ResidentModel:
-        if model and model not in self.current.names:
-            raise _not_served(model, self.current, "")
-        return self.current
+        if model and model not in self.resident.names:
+            raise _not_served(model, self.resident, "")
+        return self.resident
 
     async def start(self) -> None:
         return None  # the Model is loaded and its engine runs already
@@ -132,12 +124,12 @@ class FixedModel:
         return None  # the caller owns the Model
 
 
-class SwappableModel:
+class SwappableHolder:
     """One resident Model, swapped through requests' `model` (loader: id → Model)."""
 
     def __init__(
         self, *, loader: Loader, initial_model_id: str | None = None,
-        initial: LoadedModel | None = None, allow_swap: bool = True,
+        initial: Model | None = None, allow_swap: bool = True,
         precheck: Callable[[str], None] | None = None, catalog: ModelCatalog | None = None,
     ) -> None:
         """`precheck(id)` raises ModelLoadError for ids that cannot load, before the old
@@ -155,12 +147,6 @@ class SwappableModel:
         self._lock = trio.Lock()  # FIFO: swaps, and requests waiting for one, go in order
         self._swapping = False  # from unloading the old model until the new one has loaded
         self.swaps = 0
-
-    @property
-    def current(self) -> ResidentModel:
-        if self._model is None:
-            raise RuntimeError("no model is resident: call start() first")
-        return self._model.resident
 
     @property
     def resident(self) -> ResidentModel | None:
@@ -193,22 +179,21 @@ class SwappableModel:
                 pass
         if self._model is None and model and self.allow_swap:
             return await self._load_after_failure(model)
-        current = self._settled()
-        if not model or model in current.names:
-            return current
+        serving = self._settled()
+        if not model or model in serving.names:
+            return serving
         if not self.allow_swap:
-            raise _not_served(model, current, " and swapping is disabled (--no-allow-swap)")
+            raise _not_served(model, serving, " and swapping is disabled (--no-allow-swap)")
         self._check_loadable(model)
         async with self._lock:
-            current = self._settled()
-            if model in current.names:  # someone else's swap brought it in
-                return current
+            serving = self._settled()
+            if model in serving.names:  # someone else's swap brought it in
+                return serving
             return await self._swap(model)
 
     def _settled(self) -> ResidentModel:
-        """The resident model once no swap is under way; NoModelLoaded (503) where
-        `current` would raise RuntimeError (500): after a failed swap whose restore of the
-        old model failed too."""
+        """The resident model once no swap is under way; NoModelLoaded (503) where none is:
+        after a failed swap whose restore of the old model failed too."""
         if self._model is None:
             raise NoModelLoaded("no model is loaded: a swap failed and the previous model "
                                 "could not be reloaded; name a model to load one")

@@ -1,6 +1,6 @@
 """ServeServer: a ModelHolder's model over HTTP, on hypercorn's trio worker.
 
-    server = ServeServer(host="127.0.0.1", port=0, holder=FixedModel(model=model))
+    server = ServeServer(host="127.0.0.1", port=0, holder=FixedHolder(model=model))
     host, port = await nursery.start(server.serve)   # or: await server.run_forever()
 
 Cancelling the scope stops it; `request_shutdown()` stops accepting and gives active
@@ -73,7 +73,7 @@ def _holder(holder: ModelHolder | None, backend: ModelHolder | None) -> ModelHol
                       DeprecationWarning, stacklevel=3)
         holder = holder or backend
     if holder is None:
-        raise TypeError("ServeServer needs holder= (FixedModel or SwappableModel)")
+        raise TypeError("ServeServer needs holder= (FixedHolder or SwappableHolder)")
     return holder
 
 
@@ -90,7 +90,7 @@ class ServeServer:
         allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (),
         ui: bool = True, backend: ModelHolder | None = None,
     ) -> None:
-        """`holder`: what serves the model (FixedModel or SwappableModel; `backend` is its
+        """`holder`: what serves the model (FixedHolder or SwappableHolder; `backend` is its
         deprecated name). `api_key` or `api_keys` (several, reloadable): the keys requests
         must carry.
         `allowed_hosts`, `cors_origins`: beyond the loopback names and origins that are
