@@ -28,7 +28,7 @@ import pytest
 
 import butter.backends.llama_cpp.loading as llama_loading
 from butter.backends.kernels import TYPE_BITS, Isa, isa_number
-from butter.backends.llama_cpp import ggml_abi, layer_matmul
+from butter.backends.llama_cpp import ggml_abi, ggml_boundary, layer_matmul
 from butter.backends.llama_cpp.layer_matmul import LayerMatmul
 from butter.backends.native import Unavailable
 from tests.conftest import ServerProcess
@@ -77,7 +77,7 @@ def test_a_define_the_generator_cannot_read_is_refused() -> None:
 def test_the_built_library_reports_the_headers_numbers() -> None:
     lib = layer_matmul._library()  # (refused unless its ABI version is the header's)
     assert lib.butter_layer_matmul_ggml_commit().decode() == ggml_abi.GGML_COMMIT
-    figures = layer_matmul._mirror_figures(lib)
+    figures = ggml_boundary.mirror_figures(lib)
     assert len(figures) == ggml_abi.MIRRORED
     assert figures[ggml_abi.MIRROR_TYPE_Q8_0] == 8 and figures[ggml_abi.MIRROR_OP_MUL_MAT] == 29
 
@@ -94,10 +94,10 @@ def test_the_other_python_copies_agree_with_the_header() -> None:
 
 def test_the_loaded_ggml_is_the_one_the_mirror_was_copied_from() -> None:
     llama_loading.init_llama_backend()
-    base, _ = layer_matmul._ggml_libraries()
-    commit, version = layer_matmul.ggml_build(base)
+    base, _ = ggml_boundary.ggml_libraries()
+    commit, version = ggml_boundary.ggml_build(base)
     assert version == ggml_abi.GGML_VERSION
-    assert layer_matmul.ggml_differs(commit, version, llama_cpp.__version__) == ""
+    assert ggml_boundary.ggml_differs(commit, version, llama_cpp.__version__) == ""
 
 
 @pytest.mark.parametrize(("commit", "version", "package", "same"), [
@@ -115,7 +115,7 @@ def test_the_loaded_ggml_is_the_one_the_mirror_was_copied_from() -> None:
 def test_a_ggml_is_the_mirrors_only_at_its_commit_and_version(
     commit: str, version: str, package: str, same: bool,
 ) -> None:
-    why = layer_matmul.ggml_differs(commit, version, package)
+    why = ggml_boundary.ggml_differs(commit, version, package)
     if same:
         assert why == ""
     else:
@@ -171,7 +171,7 @@ def test_a_library_built_against_ggmls_headers_finds_the_vtable_slots_agree() ->
 
 _REGISTER = """
 import json, logging, sys
-from butter.backends.llama_cpp import ggml_abi, layer_matmul, loading
+from butter.backends.llama_cpp import ggml_abi, ggml_boundary, layer_matmul, loading
 from butter.backends.native import Unavailable
 logging.basicConfig(level=logging.WARNING, format="LOG %(message)s")
 if sys.argv[1] != "same":
@@ -184,7 +184,7 @@ try:
     why = ""
 except Unavailable as exc:
     why = str(exc)
-listed = layer_matmul.listed_buffer_type_names()
+listed = ggml_boundary.listed_buffer_type_names()
 found = {"why": why, "dropped": layer_matmul.dropped_buffer_types,
          "tiles": "BUTTER_TILES" in listed, "repack": "CPU_REPACK" in listed}
 if len(sys.argv) > 2:  # and a model loaded with weight repacking asked for
@@ -222,8 +222,8 @@ def test_on_another_ggml_nothing_is_registered_or_taken_out_and_the_log_says_why
     _kernel_or_skip()
     found, log = _register_in_a_fresh_process(OTHER_COMMIT)
     monkeypatch.setattr(ggml_abi, "GGML_COMMIT", OTHER_COMMIT)
-    running = layer_matmul.ggml_build(layer_matmul._ggml_libraries()[0])
-    assert found["why"] == layer_matmul.ggml_differs(*running, llama_cpp.__version__) != ""
+    running = ggml_boundary.ggml_build(ggml_boundary.ggml_libraries()[0])
+    assert found["why"] == ggml_boundary.ggml_differs(*running, llama_cpp.__version__) != ""
     assert found["dropped"] == [] and found["repack"] and not found["tiles"]
     assert re.search(r"^LOG butter's layer kernels and attention are off, llama\.cpp computes "
                      r"them: not the llama\.cpp butter's kernels mirror", log, re.MULTILINE)
@@ -251,14 +251,14 @@ def test_the_escape_hatch_lets_the_structure_checks_decide_on_another_ggml() -> 
 
 _UNCHECKED = """
 import ctypes, json
-from butter.backends.llama_cpp import layer_matmul, loading
+from butter.backends.llama_cpp import ggml_boundary, layer_matmul, loading
 layer_matmul.register = lambda: None  # no check runs
 loading.init_llama_backend()
 lib = layer_matmul._library()
-device = layer_matmul._cpu_device(*layer_matmul._ggml_libraries())
+device = ggml_boundary.cpu_device(*ggml_boundary.ggml_libraries())
 print(json.dumps({"drop": lib.butter_layer_matmul_drop_buffer_type(b"CPU_REPACK"),
                   "register": lib.butter_layer_matmul_register(device, 1, 1),
-                  "listed": layer_matmul.listed_buffer_type_names()}))
+                  "listed": ggml_boundary.listed_buffer_type_names()}))
 """
 
 

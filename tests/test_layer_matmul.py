@@ -36,7 +36,7 @@ from butter.backends.kernels import (
     llama_cpp_kernel,
     requested_isa,
 )
-from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
+from butter.backends.llama_cpp import LlamaCppBackend, ggml_boundary, layer_matmul
 from butter.backends.llama_cpp.layer_matmul import Counters, LayerMatmul
 from butter.backends.native import Unavailable
 from butter.cli import build_parser, settings_from_args
@@ -219,7 +219,7 @@ def test_the_demo_models_logits_stay_llama_cpps(
 def _matmul_outputs(path: Path, nodes: tuple[str, ...], *, fast_layers: bool, tokens: int
                     ) -> dict[str, Any]:
     """The named graph nodes' outputs for one prompt, read with llama.cpp's eval callback."""
-    base = layer_matmul._ggml_libraries()[0]
+    base = ggml_boundary.ggml_libraries()[0]
     base.ggml_get_name.argtypes, base.ggml_get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
     base.ggml_get_data.argtypes, base.ggml_get_data.restype = [ctypes.c_void_p], ctypes.c_void_p
     base.ggml_nbytes.argtypes, base.ggml_nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
@@ -355,19 +355,19 @@ class _MirrorOf:
 def test_a_ggml_the_library_does_not_mirror_is_refused() -> None:
     kernel = _kernel_or_skip()
     lib = kernel._lib
-    base, cpu = layer_matmul._ggml_libraries()
-    layer_matmul._check_mirror(lib, base, cpu)  # this ggml: the mirror matches
-    real = (ctypes.c_int64 * layer_matmul.MIRRORED)()
+    base, cpu = ggml_boundary.ggml_libraries()
+    ggml_boundary.check_mirror(lib, base, cpu)  # this ggml: the mirror matches
+    real = (ctypes.c_int64 * ggml_boundary.MIRRORED)()
     lib.butter_layer_matmul_mirror(real, ctypes.sizeof(real))
     with pytest.raises(Unavailable, match="tensor size"):
-        layer_matmul._check_mirror(_MirrorOf(lib, int(real[0]) + 8), base, cpu)
+        ggml_boundary.check_mirror(_MirrorOf(lib, int(real[0]) + 8), base, cpu)
 
 
 def test_no_buffer_type_that_crashes_llama_cpp_is_offered_weights(demo_gguf: Path) -> None:
     # On CPUs with AMX-INT8 a native llama.cpp build lists its AMX buffer type, whose
     # decodes crash this llama.cpp (SIGSEGV): butter takes it out at registration, and the
     # demo model then decodes on the repacked kernels. Elsewhere there is none to take out.
-    listed = layer_matmul.listed_buffer_type_names()
+    listed = ggml_boundary.listed_buffer_type_names()
     assert not set(listed) & {name.decode() for name in layer_matmul.CRASHING_BUFFER_TYPES}
     system = ll.llama_print_system_info().decode()
     if "AMX_INT8 = 1" in system:
@@ -400,7 +400,7 @@ def test_a_wrong_kernel_result_fails_the_self_check(qtype: str) -> None:
     the true kernel passes the same probes)."""
     kernel = _kernel_or_skip()
     number = {"q8_0": 8, "q6_K": 14, "q5_K": 13, "q4_1": 3, "q5_0": 6, "q4_K": 12}[qtype]
-    assert layer_matmul.ggml_type_name(number) == qtype
+    assert ggml_boundary.ggml_type_name(number) == qtype
     assert layer_matmul.self_check(kernel._lib, number, perturbation=0.0) == ""
     why = layer_matmul.self_check(kernel._lib, number, perturbation=0.01)
     assert why.startswith("self-check failed: 1 x 512 by 40 differs from llama.cpp's by")
@@ -484,9 +484,9 @@ class _Mismatched:
 
 def test_the_mirror_check_reads_this_ggml_and_names_what_differs() -> None:
     kernel = _kernel_or_skip()
-    layer_matmul._check_mirror_fields(kernel._lib)  # this ggml, read through the mirror
+    ggml_boundary.check_mirror_fields(kernel._lib)  # this ggml, read through the mirror
     with pytest.raises(Unavailable, match=r"structures differ from the mirror \(ne, buffer\)"):
-        layer_matmul._check_mirror_fields(_Mismatched(0b10000010))
+        ggml_boundary.check_mirror_fields(_Mismatched(0b10000010))
 
 
 @pytest.mark.parametrize(("wanted", "best", "expected"), [

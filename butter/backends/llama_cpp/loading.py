@@ -22,7 +22,7 @@ import numpy as np
 from butter.backends.base import BackendError, ModelInfo
 from butter.backends.gguf_tensors import GgufHeader, read_header
 from butter.backends.kernels import Isa, llama_cpp_kernel
-from butter.backends.llama_cpp import layer_matmul
+from butter.backends.llama_cpp import ggml_boundary, layer_matmul
 from butter.backends.lmhead import LmHead, Verdict
 from butter.backends.native import Unavailable
 from butter.backends.step_layouts import padded_outputs
@@ -361,7 +361,7 @@ def _crashing_buffer_type_listed() -> bool:
     """Whether llama.cpp still offers weights to a buffer type that crashes it (butter's
     native library takes those out at registration; without it, repacking goes off)."""
     try:
-        listed = layer_matmul.listed_buffer_type_names()
+        listed = ggml_boundary.listed_buffer_type_names()
     except Unavailable:
         return False
     crashing = [name for name in listed if name.encode() in layer_matmul.CRASHING_BUFFER_TYPES]
@@ -425,7 +425,7 @@ def layer_kernels(header: GgufHeader, *, stored: set[str], repack: bool) -> dict
     counts: dict[str, int] = {}
     for tensor in header.tensors.values():
         if tensor.name.startswith("blk.") and len(tensor.shape) == 2 and tensor.shape[1] > 1:
-            name = layer_matmul.ggml_type_name(tensor.ggml_type)
+            name = ggml_boundary.ggml_type_name(tensor.ggml_type)
             counts[name] = counts.get(name, 0) + 1
     verdicts: dict[str, str] = {}
     for name, count in sorted(counts.items()):
