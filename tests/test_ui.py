@@ -205,3 +205,40 @@ def test_reasoning_and_tool_calls_show_as_their_own_blocks(page: Any) -> None:
     assert answer.locator(".tool-call strong").inner_text() == "tool call: get_weather"
     assert answer.locator(".tool-call pre").inner_text() == '{"city": "Paris"}'
     assert "finish: tool_calls" in answer.locator(".stats").inner_text()
+
+
+def test_only_the_messages_scroll_in_a_long_conversation(browser: Any, ui_server: ServerProcess,
+                                                         tmp_path: Path) -> None:
+    # A short window, so that two answers overflow it: the header, the composer and the
+    # engine panel stay where they are, the page itself does not scroll, the message list
+    # does, and it follows the answer to its end.
+    context = browser.new_context(viewport={"width": 1000, "height": 420})
+    page = context.new_page()
+    page.goto(f"{ui_server.base_url}/", timeout=TIMEOUT_MS)
+    page.wait_for_selector("#model option[value]", state="attached", timeout=TIMEOUT_MS)
+    settings(page, temperature="0", max_tokens="160")
+    page.click("#settings summary")  # (closed again: the settings take no room)
+    for ask in ("Write a long story about a lighthouse.", "Now one about a bakery."):
+        send(page, ask)
+        page.wait_for_function(
+            "n => document.querySelectorAll('#log li.assistant .stats').length >= n",
+            arg=page.locator("#log li.user").count(), timeout=TIMEOUT_MS)
+    layout = page.evaluate("""() => {
+        const box = id => document.getElementById(id).getBoundingClientRect();
+        const log = document.getElementById("log");
+        const last = document.querySelector("#log li:last-child").getBoundingClientRect();
+        return {page: document.scrollingElement.scrollHeight - window.innerHeight,
+                scrolled: window.scrollY, header: document.querySelector("header")
+                    .getBoundingClientRect().top,
+                composer: box("composer").bottom, engine: box("engine").top,
+                overflow: log.scrollHeight - log.clientHeight, at: log.scrollTop,
+                lastBottom: last.bottom, logBottom: box("log").bottom,
+                height: window.innerHeight};
+    }""")
+    page.screenshot(path=str(tmp_path / "long.png"))
+    context.close()
+    assert layout["overflow"] > 0, layout  # the conversation is taller than its list
+    assert layout["page"] <= 0 and layout["scrolled"] == 0, layout  # the page does not scroll
+    assert layout["header"] == 0 and layout["engine"] < layout["height"], layout
+    assert layout["composer"] <= layout["height"], layout  # the composer is in view
+    assert layout["at"] > 0 and layout["lastBottom"] <= layout["logBottom"] + 1, layout

@@ -63,8 +63,16 @@ function addTurn(role, text) {
   item.dataset.role = role;
   if (text !== undefined) item.append(element("p", "text", text));
   $("log").append(item);
-  item.scrollIntoView({ block: "end" });
+  $("log").scrollTop = $("log").scrollHeight;
   return item;
+}
+
+// The message list follows what is added to it, unless the reader scrolled up to read.
+function follow(update) {
+  const log = $("log");
+  const atEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 24;
+  update();
+  if (atEnd) log.scrollTop = log.scrollHeight;
 }
 
 // One assistant answer as it streams: reasoning apart, text, tool calls, stats, errors.
@@ -86,42 +94,45 @@ class Answer {
 
   addReasoning(piece) {
     this.seeToken();
-    if (!this.reasoning) {
-      const details = element("details", "reasoning");
-      details.append(element("summary", "", "Reasoning"), element("pre"));
-      this.item.insertBefore(details, this.text);
-      this.reasoning = details.querySelector("pre");
-    }
-    this.reasoning.textContent += piece;
+    follow(() => {
+      if (!this.reasoning) {
+        const details = element("details", "reasoning");
+        details.append(element("summary", "", "Reasoning"), element("pre"));
+        this.item.insertBefore(details, this.text);
+        this.reasoning = details.querySelector("pre");
+      }
+      this.reasoning.textContent += piece;
+    });
   }
 
   addText(piece) {
     this.seeToken();
-    this.text.textContent += piece;
-    this.item.scrollIntoView({ block: "end" });
+    follow(() => { this.text.textContent += piece; });
   }
 
   addToolCall(delta) {
     this.seeToken();
-    let call = this.toolCalls[delta.index ?? 0];
-    if (!call) {
-      const block = element("div", "tool-call");
-      const title = element("strong");
-      const args = element("pre");
-      block.append(title, args);
-      this.item.append(block);
-      call = { id: "", name: "", arguments: "", title, args };
-      this.toolCalls[delta.index ?? 0] = call;
-    }
-    if (delta.id) call.id = delta.id;
-    if (delta.function && delta.function.name) call.name += delta.function.name;
-    if (delta.function && delta.function.arguments) call.arguments += delta.function.arguments;
-    call.title.textContent = `tool call: ${call.name}`;
-    call.args.textContent = call.arguments;
+    follow(() => {
+      let call = this.toolCalls[delta.index ?? 0];
+      if (!call) {
+        const block = element("div", "tool-call");
+        const title = element("strong");
+        const args = element("pre");
+        block.append(title, args);
+        this.item.append(block);
+        call = { id: "", name: "", arguments: "", title, args };
+        this.toolCalls[delta.index ?? 0] = call;
+      }
+      if (delta.id) call.id = delta.id;
+      if (delta.function && delta.function.name) call.name += delta.function.name;
+      if (delta.function && delta.function.arguments) call.arguments += delta.function.arguments;
+      call.title.textContent = `tool call: ${call.name}`;
+      call.args.textContent = call.arguments;
+    });
   }
 
   fail(message) {
-    this.item.append(element("p", "error", message));
+    follow(() => this.item.append(element("p", "error", message)));
   }
 
   finish(usage, finishReason) {
@@ -141,7 +152,7 @@ class Answer {
     if (finishReason) parts.push(`finish: ${finishReason}`);
     const stats = element("p", "stats", parts.join(" · "));
     stats.dataset.finish = finishReason || "";
-    this.item.append(stats);
+    follow(() => this.item.append(stats));
   }
 
   message() {
