@@ -160,3 +160,75 @@ def test_inner_system_messages_fold_into_the_next_user_turn_where_it_cannot() ->
         "file:y"), bos_token="", eos_token="")
     with pytest.raises(InvalidRequest, match="no forbidden words"):
         picky.render([{"role": "user", "content": "a forbidden word"}])
+
+
+# A template that reads the optional fields the way real ones do, unguarded.
+READS_OPTIONAL_FIELDS = (
+    "{% for t in tools %}{% set f = t.function %}"
+    "[{{ f.name }}// {{ '' + f.description }}|{{ f.description is defined }}"
+    "|{{ f.parameters | tojson }}|{% for k, v in f.parameters.properties.items() %}{{ k }}"
+    "{% endfor %}|{{ f.parameters.properties | length }}|{{ f.strict == true }}]"
+    "{% endfor %}{% for m in messages %}<{{ m.name | default('anon') }}:{{ m.content or '' }}"
+    "{% for c in m.tool_calls or [] %} {{ c.function.name }}{{ c.function.arguments | tojson }}"
+    " {{ c.id }}{% endfor %}"
+    "{% if m.role == 'tool' %} answers {{ m.tool_call_id }}{% endif %}>{% endfor %}"
+)
+
+
+def test_optional_fields_left_out_are_undefined_and_safe_to_read() -> None:
+    """A tool with only a name, and messages without names or ids, render: the absent
+    fields are undefined (`is defined` false, `default` applies) and empty where a
+    template joins them to text or reads into them. Null is the same as left out."""
+    template = ChatTemplate(TemplateChoice(READS_OPTIONAL_FIELDS, "x"), bos_token="",
+                            eos_token="")
+    assert template.renders_tools
+    messages = [{"role": "user", "content": "q", "name": None},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": "f", "arguments": {}}}]},
+                {"role": "tool", "content": "r"}]
+    for function in ({"name": "f"}, {"name": "f", "description": None, "parameters": None,
+                                     "strict": None}):
+        text = template.render(messages, tools=[{"type": "function", "function": function}],
+                               add_generation_prompt=False)
+        assert text == ("[f// |False|null||0|False]<anon:q><anon: f{} call_1_0>"
+                        "<anon:r answers call_1_0>")
+    full = {"name": "f", "description": "d", "strict": True,
+            "parameters": {"type": "object", "properties": {"x": {}}}}
+    text = template.render([{"role": "user", "content": "q", "name": "bob"}],
+                           tools=[{"type": "function", "function": full}],
+                           add_generation_prompt=False)
+    assert text == ('[f// d|True|{"type": "object", "properties": {"x": {}}}|x|1|True]'
+                    "<bob:q>")
+
+
+def test_other_undefined_values_and_refusals_still_fail() -> None:
+    """Only the request's optional fields are absent-safe: a field no request shape has,
+    a variable nobody passes, arithmetic on an absent field, and the template's own
+    refusals stay 400s."""
+    user = [{"role": "user", "content": "q"}]
+    for source, error in (
+            ("{% for m in messages %}{{ m.nickname + '!' }}{% endfor %}", "nickname"),
+            ("{{ undeclared + '!' }}", "undeclared"),
+            ("{% for m in messages %}{{ m.name + 1 }}{% endfor %}", "name"),
+            ("{% for m in messages %}{% if m.name is not defined %}"
+             "{{ raise_exception('who is speaking?') }}{% endif %}{% endfor %}",
+             "who is speaking")):
+        template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
+        with pytest.raises(InvalidRequest, match=error):
+            template.render(user)
+
+
+def test_a_call_result_keeps_the_id_it_was_sent_with() -> None:
+    """Ids are given only where none was sent; a result that names its call keeps it, and
+    the next result without one answers the next call."""
+    template = ChatTemplate(TemplateChoice(READS_OPTIONAL_FIELDS, "x"), bos_token="",
+                            eos_token="")
+    calls = [{"id": "a", "type": "function", "function": {"name": "f", "arguments": {}}},
+             {"type": "function", "function": {"name": "f", "arguments": {}}}]
+    text = template.render([{"role": "user", "content": "q"},
+                            {"role": "assistant", "content": None, "tool_calls": calls},
+                            {"role": "tool", "content": "r1", "tool_call_id": "a"},
+                            {"role": "tool", "content": "r2"}], add_generation_prompt=False)
+    assert text.endswith("<anon: f{} a f{} call_1_1><anon:r1 answers a>"
+                         "<anon:r2 answers call_1_1>")
+

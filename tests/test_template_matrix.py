@@ -28,7 +28,9 @@ from butter.chat.markup import (
     parse_bare_json_calls,
     parse_tool_call_body,
 )
+from butter.chat.polyfill import short_tool_call_id
 from butter.chat.template import ChatTemplate, TemplateChoice
+from butter.errors import InvalidRequest
 from butter.protocol import openai
 
 CACHE_DIR = Path(os.environ.get("BUTTER_TEST_CACHE", Path.home() / ".cache" / "butter-tests"))
@@ -46,6 +48,20 @@ TOOL_ROUND = [
     {"role": "assistant", "content": None, "tool_calls": [CALL]},
     {"role": "tool", "tool_call_id": "call_abc123", "content": "Sunny, 21 C"},
 ]
+# OpenAI makes a tool's `description`, `parameters` and `strict` optional, and a tool
+# call's `id`, a tool result's `tool_call_id` and a message's `name`: clients leave them
+# out (openai-agents sends a tool without a description).
+MINIMAL_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}}]
+NAME_ONLY_TOOLS = [{"type": "function", "function": {"name": "get_weather"}}]
+NULL_FIELD_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": None, "parameters": None, "strict": None}}]
+FULL_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+CALL_WITHOUT_ID = {key: value for key, value in CALL.items() if key != "id"}
+TOOL_ROUND_WITHOUT_IDS = [TOOL_ROUND[0], {**TOOL_ROUND[1], "tool_calls": [CALL_WITHOUT_ID]},
+                          {"role": "tool", "content": "Sunny, 21 C"}]
+TOOL_ROUND_WITH_NAMES = [{**TOOL_ROUND[0], "name": "alice"}, TOOL_ROUND[1],
+                         {**TOOL_ROUND[2], "name": "get_weather"}]
 CONVERSATIONS: dict[str, dict[str, Any]] = {
     "system and user": {"messages": [{"role": "system", "content": "You are brief."},
                                      {"role": "user", "content": "Hi there"}]},
@@ -64,6 +80,17 @@ CONVERSATIONS: dict[str, dict[str, Any]] = {
                       "tools": TOOLS},
     "a tool round": {"messages": TOOL_ROUND, "tools": TOOLS},
     "a tool round without tools": {"messages": TOOL_ROUND},
+    "minimal tools offered": {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                              "tools": MINIMAL_TOOLS},
+    "name-only tools offered": {"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                "tools": NAME_ONLY_TOOLS},
+    "a tool round with minimal tools": {"messages": TOOL_ROUND, "tools": MINIMAL_TOOLS},
+    "a tool round with name-only tools": {"messages": TOOL_ROUND, "tools": NAME_ONLY_TOOLS},
+    "a tool round with null fields": {"messages": TOOL_ROUND, "tools": NULL_FIELD_TOOLS},
+    "a tool round without ids": {"messages": TOOL_ROUND_WITHOUT_IDS, "tools": NAME_ONLY_TOOLS},
+    "a tool round without ids or tools": {"messages": TOOL_ROUND_WITHOUT_IDS},
+    "a tool round with every optional field": {"messages": TOOL_ROUND_WITH_NAMES,
+                                               "tools": FULL_TOOLS},
     "a reasoning history": {"messages": [
         {"role": "user", "content": "Hi there"},
         {"role": "assistant", "content": "Hello!", "reasoning_content": "They greet me."},
@@ -196,7 +223,43 @@ def test_every_template_renders_every_conversation(templates: list[Path]) -> Non
                 failures.append(f"{path.name} / {name}: {problem}")
             if name == "inner system" and "Answer in French." not in text:
                 failures.append(f"{path.name} / {name}: the inner system message is missing")
+            if name.endswith("tools offered") and "get_weather" not in text:
+                failures.append(f"{path.name} / {name}: the tool is missing")
     assert not failures, "\n".join(failures)
+
+
+def test_absent_fields_do_not_hide_a_template_refusing_the_conversation(
+        templates: list[Path]) -> None:
+    """Leaving optional fields out is safe, but a template's own refusal still stands:
+    two assistant turns in a row, where a template insists that roles alternate, are a
+    400 with its words, minimal tools or not."""
+    refusers = []
+    for path in templates:
+        template = ChatTemplate(TemplateChoice(path.read_text("utf-8"), path.name),
+                                bos_token="<s>", eos_token="</s>")
+        if "must alternate" not in template.source:
+            continue
+        refusers.append(path.stem)
+        for tools in (None, NAME_ONLY_TOOLS):
+            with pytest.raises(InvalidRequest, match="must alternate"):
+                render(template, {"messages": [
+                    {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "a"},
+                    {"role": "assistant", "content": "b"}], **({"tools": tools} if tools else {})})
+    assert {"google-gemma-2-2b-it", "mistralai-Mistral-Nemo-Instruct-2407"} <= set(refusers)
+
+
+def test_calls_without_ids_take_ids_their_results_share(templates: list[Path]) -> None:
+    """A call sent without an id gets one, and the result that answers it the same one:
+    Mistral's templates, which refuse any id but 9 alphanumeric characters, render the
+    round, with the call's id on its result."""
+    for name in ("mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"):
+        path = next(path for path in templates if path.stem == name)
+        template = ChatTemplate(TemplateChoice(path.read_text("utf-8"), path.name),
+                                bos_token="<s>", eos_token="</s>")
+        assert template.capabilities.short_tool_call_ids, name
+        text = render(template, {"messages": TOOL_ROUND_WITHOUT_IDS, "tools": NAME_ONLY_TOOLS})
+        # The call (the second message) gets call_1_0, in the 9 characters Mistral wants.
+        assert text.count(short_tool_call_id("call_1_0")) == 2, text
 
 
 def test_capabilities_are_probed_not_assumed(templates: list[Path]) -> None:

@@ -12,7 +12,10 @@ output, and `adapt` rewrites a request's messages into what the template renders
   - arguments as the template wants them, and ids in the form it demands;
   - system messages folded into the next user turn where there is no system role, or
     none after the first turn;
-  - null content as "" where the template cannot take None.
+  - null content as "" where the template cannot take None;
+  - optional fields sent as null left out (a template sees them absent, which
+    butter/chat/template.py's AbsentField makes safe to read), and tool calls without an id
+    given one, which the results that answer them in order share.
 """
 
 from __future__ import annotations
@@ -253,12 +256,62 @@ def _fold_system(messages: Messages) -> Messages:
     return folded
 
 
+# Optional fields that a null means the client did not send (OpenAI's SDKs send null
+# where the field was not set): left out, so that templates test them with `is defined`.
+_NULLABLE_MESSAGE_FIELDS = ("name", "tool_call_id")
+_NULLABLE_TOOL_FIELDS = ("description", "parameters", "strict")
+
+
+def _without_nulls(item: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    if not any(field in item and item[field] is None for field in fields):
+        return item
+    return {key: value for key, value in item.items() if not (key in fields and value is None)}
+
+
+def without_null_fields(tools: Tools) -> Tools:
+    """The tools with their optional fields sent as null left out."""
+    if not tools:
+        return tools
+    cleaned = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(function, dict):
+            tool = {**tool, "function": _without_nulls(function, _NULLABLE_TOOL_FIELDS)}
+        cleaned.append(tool)
+    return cleaned
+
+
+def with_call_ids(messages: Messages) -> Messages:
+    """Every tool call with an id, and every tool result with the id of the call it
+    answers. A call sent without one gets `call_<turn>_<index>`; a result sent without a
+    `tool_call_id` answers the first unanswered call before it, in order (as Ollama's
+    results, which carry no ids, do). Templates match results to calls by id, and some
+    refuse a call without one."""
+    paired: Messages = []
+    unanswered: list[str] = []
+    for turn, message in enumerate(messages):
+        message = _without_nulls(message, _NULLABLE_MESSAGE_FIELDS)
+        if message.get("tool_calls"):
+            calls = [call if call.get("id") else {**call, "id": f"call_{turn}_{index}"}
+                     for index, call in enumerate(message["tool_calls"])]
+            message = {**message, "tool_calls": calls}
+            unanswered = [str(call["id"]) for call in calls]
+        elif message["role"] == "tool":
+            answered = message.get("tool_call_id")
+            if not answered and unanswered:
+                message = {**message, "tool_call_id": unanswered.pop(0)}
+            elif answered in unanswered:
+                unanswered.remove(answered)
+        paired.append(message)
+    return paired
+
+
 def adapt(messages: Messages, tools: Tools, caps: TemplateCapabilities) -> tuple[Messages, Tools]:
     """The request's messages and tools as this template renders them (module docstring).
     Tools the template cannot render are expected in a system message already (the
     preamble), so `tools` here is what goes to the template itself."""
     adapted: Messages = []
-    for message in messages:
+    for message in with_call_ids(messages):
         message = dict(message)
         if message["role"] == "developer":
             message["role"] = "system"

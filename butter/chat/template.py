@@ -11,18 +11,19 @@ model, and earlier tool calls and results are written in the same markup.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
 from typing import Any, NoReturn
 
 import attrs
-from jinja2 import TemplateError, nodes
+from jinja2 import TemplateError, Undefined, nodes
 from jinja2.ext import Extension
 from jinja2.parser import Parser
 from jinja2.sandbox import SandboxedEnvironment
 
-from butter.chat.polyfill import TemplateCapabilities, adapt, probe
+from butter.chat.polyfill import TemplateCapabilities, adapt, probe, without_null_fields
 from butter.chat.tool_calls import TOOL_CALL, syntax_named
 from butter.errors import InvalidRequest
 
@@ -75,7 +76,9 @@ def choose_template(
 
 def _json_default(value: Any) -> Any:
     # Templates pipe `map(...)` and `selectattr(...)` results, which are generators, and
-    # jinja's Undefined into tojson.
+    # jinja's Undefined (an absent field: null) into tojson.
+    if isinstance(value, Undefined):
+        return None
     if hasattr(value, "__iter__") and not isinstance(value, str | bytes | dict):
         return list(value)
     return None
@@ -118,10 +121,67 @@ class GenerationBlock(Extension):
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
+# The fields that the request shapes make optional (OpenAI's tool `description`,
+# `parameters` and `strict`, a message's `name`, a tool call's `id` and the `tool_call_id`
+# answering it; a JSON schema's `description` too), which clients leave out.
+OPTIONAL_FIELDS = frozenset(
+    {"description", "parameters", "strict", "name", "id", "tool_call_id"})
+
+
+class AbsentField(Undefined):
+    """An optional field (OPTIONAL_FIELDS) that the request left out. It is undefined as in
+    any jinja: `is defined` is false, it prints empty, `default(...)` replaces it, `if`
+    skips it. Beyond jinja's Undefined, which raises on anything else, it is also empty
+    text where a template joins it to text (`"// " + tool.description`, as gpt-oss's,
+    Hermes' and Functionary's templates do), and reading into it gives it again
+    (`tool.parameters.properties`, `.items()`): the templates that read such a field
+    unguarded were written for clients that always send it, and empty is what it means.
+    Every other undefined value, and every error a template raises itself, stays an error."""
+
+    __slots__ = ()
+
+    def _joined(self, other: Any) -> Any:
+        if isinstance(other, str):
+            return other
+        return self._fail_with_undefined_error()
+
+    __add__ = __radd__ = _joined
+
+    def __getattr__(self, name: str) -> Any:
+        if name[:2] == "__" and name[-2:] == "__":
+            raise AttributeError(name)
+        return self
+
+    def _again(self, *args: Any, **kwargs: Any) -> Any:
+        return self
+
+    __getitem__ = __call__ = _again
+
+    def __repr__(self) -> str:
+        return "AbsentField"
+
+
+class _TemplateSandbox(SandboxedEnvironment):
+    """The sandbox, with the request's optional fields absent-safe (AbsentField)."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        return _absent_safe(obj, attribute, super().getattr(obj, attribute))
+
+    def getitem(self, obj: Any, argument: Any) -> Any:
+        return _absent_safe(obj, argument, super().getitem(obj, argument))
+
+
+def _absent_safe(obj: Any, key: Any, value: Any) -> Any:
+    if (isinstance(value, Undefined) and not isinstance(value, AbsentField)
+            and isinstance(obj, Mapping) and key in OPTIONAL_FIELDS):
+        return AbsentField(obj=obj, name=key)
+    return value
+
+
 def _environment() -> SandboxedEnvironment:
     """A sandbox that forbids file access and private attributes (`__class__` and the
     like), but, as HF's does, lets a template build its own lists (`list.append`)."""
-    env = SandboxedEnvironment(
+    env = _TemplateSandbox(
         trim_blocks=True, lstrip_blocks=True,
         extensions=["jinja2.ext.loopcontrols", "jinja2.ext.do", GenerationBlock],
     )
@@ -165,6 +225,7 @@ class ChatTemplate:
         """The prompt text, with the messages rewritten into what this template renders
         (butter/chat/polyfill.py): system messages after the first position stay in place
         where the template renders them, else they are folded into the next user turn."""
+        tools = without_null_fields(tools)
         if tools and not self.renders_tools:
             messages = with_tools_preamble(messages, tools)
             tools = None
