@@ -232,3 +232,11 @@ def test_a_call_result_keeps_the_id_it_was_sent_with() -> None:
     assert text.endswith("<anon: f{} a f{} call_1_1><anon:r1 answers a>"
                          "<anon:r2 answers call_1_1>")
 
+
+def test_safe_does_not_html_escape_the_text_joined_to_it() -> None:
+    """A prompt is not HTML: Functionary v3.1 writes `"..."|safe + t | tojson`, and the
+    tool's JSON must reach the model with its quotes, not `&#34;`."""
+    source = "{{ 'Use: '|safe + messages[0]['content'] + ' '|safe + messages | tojson }}"
+    template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
+    assert template.render([{"role": "user", "content": 'say "<hi>" & go'}]) == (
+        'Use: say "<hi>" & go [{"role": "user", "content": "say \\"<hi>\\" & go"}]')

@@ -225,6 +225,8 @@ def test_every_template_renders_every_conversation(templates: list[Path]) -> Non
                 failures.append(f"{path.name} / {name}: the inner system message is missing")
             if name.endswith("tools offered") and "get_weather" not in text:
                 failures.append(f"{path.name} / {name}: the tool is missing")
+            if "&#34;" in text or "&lt;" in text:
+                failures.append(f"{path.name} / {name}: HTML-escaped text in the prompt")
     assert not failures, "\n".join(failures)
 
 

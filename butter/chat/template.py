@@ -102,6 +102,13 @@ def _from_json(text: str) -> Any:
         raise TemplateError(f"from_json: {exc}") from None
 
 
+def _safe(value: Any) -> str:
+    # A prompt is not HTML: jinja's `safe` makes Markup, and Markup joined to text
+    # HTML-escapes that text (Functionary v3.1's `"..."|safe + t | tojson` wrote `&#34;`
+    # for every quote of the tool's JSON). Here it is the value as text, as in llama.cpp.
+    return str(value)
+
+
 def _raise_exception(message: str) -> NoReturn:
     raise TemplateError(message)
 
@@ -187,6 +194,7 @@ def _environment() -> SandboxedEnvironment:
     )
     env.filters["tojson"] = _tojson
     env.filters["from_json"] = _from_json
+    env.filters["safe"] = _safe
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
