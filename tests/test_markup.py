@@ -1,4 +1,5 @@
-"""The markup parser: recorded model outputs, partial tags, malformed input, any split."""
+"""The markup parser: recorded model outputs, partial tags, malformed input, any split, and
+answers that max_tokens cut short."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from butter.chat.markup import (
     ReasoningDelta,
     ToolCall,
 )
+from butter.chat.tool_calls import arguments_object
 
 TOOLS = {
     "get_weather": {"type": "object", "properties": {
@@ -202,3 +204,136 @@ def test_bare_json_that_is_not_a_call_stays_content(text: str) -> None:
 def test_bare_json_is_not_looked_for_unless_asked() -> None:
     text = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     assert "".join(e.text for e in _events_fed(text, 7)) == text
+
+
+# ---------------------------------------------------------------- cut by max_tokens
+
+# A forced call as the grammar writes it, and Qwen3-Coder's XML form.
+FORCED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+          "</tool_call>")
+XML_FORCED = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+              "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def cut_at(text: str, step: int, **kwargs: Any) -> tuple[list[Event], MarkupParser]:
+    """`text` fed `step` characters at a time, then ended by max_tokens."""
+    parser = MarkupParser(TOOLS, **kwargs)
+    events = [event for start in range(0, len(text), step)
+              for event in parser.feed(text[start:start + step])]
+    return events + parser.finish(cut=True), parser
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_a_json_call_cut_anywhere_comes_back_as_far_as_it_was_written(step: int) -> None:
+    """Cut at every length: no markup (nor any content) comes out; once the function's
+    name is complete the call does, its arguments the text written so far, read as an
+    object as far as it goes; before that, nothing."""
+    name_end = FORCED.index('"get_weather"') + len('"get_weather"')
+    arguments = FORCED.index('{"city"')
+    arguments_end = FORCED.index("}}") + 1
+    for length in range(1, len(FORCED)):
+        events, parser = cut_at(FORCED[:length], step)
+        assert not [e for e in events if not isinstance(e, ToolCall)], (length, events)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert parser.cut_inside_call, length
+        if length < name_end:
+            assert calls == [], length
+            continue
+        assert [(c.index, c.name) for c in calls] == [(0, "get_weather")], length
+        written = FORCED[arguments:max(arguments, min(length, arguments_end))].rstrip()
+        assert calls[0].arguments == written, length
+        whole = {"city": "Paris", "days": 3}
+        assert arguments_object(written).items() <= whole.items(), length
+
+
+@pytest.mark.parametrize("step", [1, 1000])
+def test_an_xml_call_cut_short_keeps_its_complete_parameters(step: int) -> None:
+    name_end = XML_FORCED.index("<function=get_weather>") + len("<function=get_weather>")
+    seen = []
+    for length in range(1, len(XML_FORCED)):
+        events, parser = cut_at(XML_FORCED[:length], step)
+        assert all(isinstance(e, ToolCall) for e in events), (length, events)
+        assert parser.cut_inside_call
+        if length < name_end:
+            assert events == [], length
+            continue
+        (call,) = events
+        assert isinstance(call, ToolCall) and call.name == "get_weather"
+        seen.append(arguments_object(call.arguments))
+    assert seen[0] == {} and seen[-1] == {"city": "Paris", "days": 3}
+    assert {"city": "Paris"} in seen  # the first parameter alone, before the second ends
+
+
+def test_a_cut_keeps_the_calls_before_it_and_drops_a_marker_begun() -> None:
+    text = FORCED + "\nThen <tool_"
+    events, parser = cut_at(text, 5)
+    calls = [e for e in events if isinstance(e, ToolCall)]
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3})]
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Then "
+    assert parser.cut_inside_call and parser.tool_calls == 1
+    # The model's own end (not max_tokens) leaves the text as it came, as before.
+    assert merged(parse_whole(text))[0] == "Then <tool_"
+
+
+@pytest.mark.parametrize(("text", "tools", "content"), [
+    ("Hello <b", TOOLS, "Hello <b"),  # cannot begin a marker
+    ("Hello <t", TOOLS, "Hello "),  # may begin <tool_call>
+    ("Hello <t", None, "Hello <t"),  # no tools: no calls to begin
+    ("<think>hm</thi", TOOLS, ""),  # reasoning: its own
+])
+def test_a_cut_answer_keeps_its_text(text: str, tools: Any, content: str) -> None:
+    parser = MarkupParser(tools)
+    events = parser.feed(text) + parser.finish(cut=True)
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == content
+    assert parser.cut_inside_call == (text.endswith("<t") and tools is not None)
+
+
+def test_a_call_closed_by_its_marker_is_whole_at_a_cut() -> None:
+    events, parser = cut_at(FORCED, 3)
+    assert [e.name for e in events if isinstance(e, ToolCall)] == ["get_weather"]
+    assert not parser.cut_inside_call and parser.tool_calls == 1
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('{"name": "get_weather", "parameters": {"city": "Pa', ("get_weather", '{"city": "Pa')),
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None),  # whole: a call
+    ('{"answer": 4', None),  # JSON, not a call: content
+    ('{"name": "get_wea', None),
+])
+def test_bare_json_cut_short(text: str, expected: tuple[str, str] | None) -> None:
+    events, parser = cut_at(text, 4, bare_json_calls=True)
+    calls = [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)]
+    assert parser.cut_inside_call == (expected is not None)
+    if expected is not None:
+        assert calls == [expected] and len(events) == 1
+    elif calls:
+        assert calls == [("get_weather", '{"city": "Paris"}')]
+    else:
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == text
+
+
+@settings(max_examples=300)
+@given(st.lists(SEGMENTS, max_size=12), st.lists(st.integers(0, 400), max_size=10),
+       st.integers(0, 400))
+def test_a_cut_answer_is_the_same_in_any_split(segments: list[str], cuts: list[int],
+                                              length: int) -> None:
+    text = "".join(segments)[:length]
+    parser = MarkupParser(TOOLS)
+    whole = parser.feed(text) + parser.finish(cut=True)
+    events, _ = cut_at(text, 1)
+    described = [(type(e).__name__, getattr(e, "text", None), getattr(e, "name", None),
+                  getattr(e, "arguments", None)) for e in events]
+    merged_whole = [(type(e).__name__, getattr(e, "text", None), getattr(e, "name", None),
+                     getattr(e, "arguments", None)) for e in whole]
+    assert _merge_text(described) == _merge_text(merged_whole)
+
+
+def _merge_text(events: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for event in events:
+        if out and event[0] != "ToolCall" and out[-1][0] == event[0]:
+            out[-1] = (event[0], out[-1][1] + event[1], None, None)
+        else:
+            out.append(event)
+    return out

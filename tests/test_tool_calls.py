@@ -1,6 +1,7 @@
 """Tool-call markup of the model families beyond `<tool_call>` (butter/chat/tool_calls.py),
 as the models write it (from each family's published format), through the streaming
-markup parser: several calls, any split, values typed, broken markup left as content."""
+markup parser: several calls, any split, values typed, broken markup left as content; and
+calls that max_tokens cut short, read as far as they were written."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from butter.chat.markup import ContentDelta, Event, MarkupParser, ToolCall
+from butter.chat.partial_json import read_prefix
 from butter.chat.tool_calls import (
     FAMILIES,
     TOOL_CALL,
     CallSyntax,
+    arguments_object,
+    cut_json_call,
+    cut_tool_call_body,
     family_syntax,
     syntax_named,
 )
@@ -234,3 +239,108 @@ def test_the_family_is_the_first_marker_a_template_writes_a_call_with() -> None:
     assert family_syntax(functionary, "<|python_tag|>") == syntax_named("functionary")
     assert family_syntax('{"name": "f"}', "{{ '<|python_tag|>' }}") == syntax_named("llama3")
     assert family_syntax("", "plain ChatML") is None
+
+
+# ---------------------------------------------------------------- calls cut short
+
+# JSON as models write it (escapes, unicode, nesting, every kind of scalar), read at every
+# length as the start of a JSON text.
+JSON_TEXTS = [
+    '{"name": "get_weather", "arguments": {"city": "Par\\"is\\\\", "days": -3, '
+    '"at": 1.5e+3, "tags": ["a", {"b": null}], "metric": true, "town": "Zürich 🙂 \\u00e9"}}',
+    ' [1, 0, -0.25, [], {}, false, "", "x\\ny"] ',
+    '{"deep": [[[{"k": [true, false, null]}]]], "n": 12345678901234567890}',
+]
+
+
+@pytest.mark.parametrize("text", JSON_TEXTS)
+def test_a_json_prefix_reads_as_anthropics_sdk_reads_a_partial_input(text: str) -> None:
+    """What read_prefix holds at every length is what jiter's partial mode (which the
+    anthropic SDK reads a streamed tool input with) makes of it, and the whole text is
+    complete only at its end."""
+    jiter = pytest.importorskip("jiter")
+    for length in range(len(text) + 1):
+        prefix = text[:length]
+        read = read_prefix(prefix)
+        assert read is not None, prefix
+        if not prefix.strip():
+            assert read.empty and not read.complete
+            continue
+        assert read.value == jiter.from_json(prefix.encode(), partial_mode=True), prefix
+        assert read.complete == (length >= len(text.rstrip())), prefix
+
+
+@pytest.mark.parametrize("text", [
+    '{"a" 1', "{a: 1", '{"a": tru e', "[1,]", '{"a": 01', '{"a": "x\\q"}', '{"a": 1,}',
+    "{'a': 1}", '{"a": -x',
+    # jiter's partial mode reads past these (the first value, brackets matched loosely):
+    '{"a": 1}}', '{"a": 1}{', '{"a": [1}', '"text" 2',
+])
+def test_what_cannot_begin_a_json_text_is_refused(text: str) -> None:
+    assert read_prefix(text) is None
+
+
+def test_a_json_prefix_says_where_each_top_level_member_lies() -> None:
+    text = '{"name": "f", "arguments": {"a": [1, 2]}, "x": 3, "y": {"z": "un'
+    read = read_prefix(text)
+    assert read is not None
+    spans = {key: text[start:end] for key, (start, end) in read.members.items()}
+    assert spans == {"name": '"f"', "arguments": '{"a": [1, 2]}', "x": "3",
+                     "y": '{"z": "un'}  # (cut: to the end)
+    assert read.value == {"name": "f", "arguments": {"a": [1, 2]}, "x": 3, "y": {}}
+    cut = read_prefix('{"x": 3, "y": "a string cut')
+    assert cut is not None and cut.value == {"x": 3}  # (not a value yet, but a member)
+    assert cut.members == {"x": (6, 7), "y": (14, None)}
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ('{"name": "get_weather", "arguments": {"city": "Pa',
+     [("get_weather", '{"city": "Pa')]),
+    ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 1',
+     [("get_weather", '{"city": "Paris", "days": 1')]),
+    ('\n{"name": "get_weather", "arguments": {"city": "Paris"}',  # whole, the call not
+     [("get_weather", '{"city": "Paris"}')]),
+    ('{"arguments": {"days": 2}, "name": "get_weather"', [("get_weather", '{"days": 2}')]),
+    ('{"name": "get_weather", "arguments": "{\\"city\\": \\"Pa',  # double-encoded
+     [("get_weather", '{"city": "Pa')]),
+    ('{"name": "get_weather", "argum', [("get_weather", "")]),  # not begun
+    ('{"name": "get_weather", "parameters": ', [("get_weather", "")]),
+    ('{"name": "get_wea', None),  # the name not finished
+    ('{"arguments": {"city": "Paris"}, "na', None),
+    ('{"name": "launch", "arguments": {"city": "Pa', None),  # not offered
+    ('{"name": "get_weather", "arguments": [1, 2', None),  # not an object
+    ('{"name": "get_weather", "arguments": {city: ', None),  # not JSON
+    ('{"name": "get_weather", "arguments": "not json', None),
+])
+def test_a_json_call_cut_short(body: str, expected: list[tuple[str, str]] | None) -> None:
+    assert cut_json_call(body, TOOLS) == expected
+    assert cut_tool_call_body(body, TOOLS) == expected
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n",
+     [("get_weather", '{"city": "Paris"')]),
+    ("<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<param",
+     [("get_weather", '{"days": 3')]),  # typed by the schema
+    ("<function=get_weather>\n<parameter=ci", [("get_weather", "{")]),
+    ("<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</func",
+     [("get_weather", '{"days": 3')]),
+    ("<function=search>\n<parameter=query>\nq\n</parameter>\n</function>\n<function=get_weather>",
+     [("search", '{"query": "q"}'), ("get_weather", "{")]),
+    ("<function=get_wea", None),
+    ("<function=launch>\n<parameter=x>\n1\n</parameter>\n", None),
+    ("<function=get_weather>\nwords\n<parameter=city>\nParis\n</parameter>\n", None),
+    ("get_weather<arg_key>city</arg_key>", None),  # (key/value: no reader for a cut call)
+])
+def test_an_xml_call_cut_short(body: str, expected: list[tuple[str, str]] | None) -> None:
+    assert cut_tool_call_body(body, TOOLS) == expected
+
+
+@pytest.mark.parametrize(("arguments", "expected"), [
+    ('{"city": "Paris", "days": 3}', {"city": "Paris", "days": 3}),
+    ('{"city": "Paris", "days": 3', {"city": "Paris", "days": 3}),
+    ('{"city": "Paris", "days": [1, 2], "town": "Ly', {"city": "Paris", "days": [1, 2]}),
+    ("", {}), ("{", {}), ("[1, 2]", {}), ("{city: 1}", {}),
+])
+def test_arguments_as_an_object(arguments: str, expected: dict[str, object]) -> None:
+    assert arguments_object(arguments) == expected

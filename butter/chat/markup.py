@@ -13,8 +13,12 @@ an answer that begins with `{` or `[` is held to its end and becomes calls if it
 call object, or an array of them, of tools offered (`name` with `arguments` or
 `parameters`); else it is content.
 
-Broken markup (unclosed at the end, invalid JSON, unknown function) degrades to plain
-content. Feeding the same text in any split gives the same events, merged.
+Broken markup that the model ended (unclosed at its end of turn, invalid JSON, an unknown
+function) degrades to plain content. An answer that max_tokens cut inside a call
+(`finish(cut=True)`) never shows its markup: the call comes back as far as it was written
+where its function's name is complete (its arguments the start of a JSON object, the text
+the model wrote), else nothing of it does; `cut_inside_call` then says so. Feeding the
+same text in any split gives the same events, merged.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from butter.chat.tool_calls import (
     TOOL_CALL,
     CallSyntax,
     ToolSchemas,
+    cut_json_call,
     parse_bare_json_calls,
     parse_tool_call_body,
 )
@@ -57,7 +62,9 @@ class ToolCall:
     index: int
     id: str
     name: str
-    arguments: str  # a JSON object, as text
+    # A JSON object, as text; of a call cut short by max_tokens, the start of one, as far as
+    # it was written (tool_calls.arguments_object reads it as an object).
+    arguments: str
 
 
 Event = ContentDelta | ReasoningDelta | ToolCall
@@ -86,10 +93,17 @@ class MarkupParser:
         self._lstrip = start_in_reasoning  # drop whitespace right after a tag
         self._line_blank = True  # nothing but blanks emitted since the last newline
         self._calls = 0
+        self._cut_inside_call = False
 
     @property
     def tool_calls(self) -> int:
         return self._calls
+
+    @property
+    def cut_inside_call(self) -> bool:
+        """The answer was cut (finish(cut=True)) inside a call's markup, or where a call's
+        marker may have begun: its last call, if any came back, is not whole."""
+        return self._cut_inside_call
 
     def feed(self, text: str) -> list[Event]:
         if self._mode == "bare":
@@ -129,13 +143,20 @@ class MarkupParser:
         _, newline, last = before.rpartition("\n")
         return not last.strip(" \t") and bool(newline or self._line_blank)
 
-    def finish(self) -> list[Event]:
-        """End of generation: release held text; an unclosed call becomes content."""
+    def finish(self, *, cut: bool = False) -> list[Event]:
+        """End of generation: release held text. `cut`: max_tokens ended it (not the
+        model), so a call it ended inside comes back as far as it was written, or not at
+        all; else an unclosed call becomes content."""
         events: list[Event] = []
         pending, self._pending = self._pending, ""
+        tools = self._tools or {}
         if self._mode == "bare":
             self._mode = "content"
-            calls = self._calls_from(parse_bare_json_calls(self._body, self._tools or {}))
+            parsed = parse_bare_json_calls(self._body, tools)
+            if parsed is None and cut:  # a call only if it names an offered tool
+                parsed = cut_json_call(self._body, tools)
+                self._cut_inside_call = parsed is not None
+            calls = self._calls_from(parsed)
             if calls is None:
                 self._emit(self._body, events)
             else:
@@ -144,6 +165,14 @@ class MarkupParser:
             return events
         if self._mode == "tool":
             self._mode = "content"
+            if cut:  # (a partial closing marker held in `pending` is markup too)
+                body, self._body = self._body, ""
+                parsed = self._syntax.parse(body, tools)
+                self._cut_inside_call = self._syntax.close is not None or parsed is None
+                if parsed is None and self._syntax.cut is not None:
+                    parsed = self._syntax.cut(body, tools)
+                events.extend(self._calls_from(parsed) or [])
+                return events
             body, self._body = self._body + pending, ""
             calls = self._parse_body(body) if self._syntax.close is None else None
             if calls is None:  # unclosed: as it came
@@ -151,6 +180,8 @@ class MarkupParser:
                 self._emit(self._syntax.open + body, events)
             else:
                 events.extend(calls)
+        elif cut and self._mode == "content" and self._may_open_call(pending):
+            self._cut_inside_call = True  # a call's marker, cut short: left out
         else:
             self._emit(pending, events)
         return events
@@ -163,6 +194,12 @@ class MarkupParser:
         if self._mode == "tool":
             return (self._syntax.close,) if self._syntax.close else ()
         return (THINK_OPEN, *self._opens) if self._tools else (THINK_OPEN,)
+
+    def _may_open_call(self, held: str) -> bool:
+        """The held text at the end may be the start of a call's opening marker."""
+        return bool(held) and any(
+            syntax.open.startswith(held) and (not syntax.line_start or self._line_blank)
+            for syntax in self._syntaxes) and bool(self._tools)
 
     def _emit(self, text: str, events: list[Event]) -> None:
         if self._mode == "tool":

@@ -11,6 +11,10 @@ backends write out the ones in `CallSyntax.markers` as text so the parser sees t
 
 Each parser returns [(name, arguments as JSON text)], or None when the body is not a
 valid call of an offered tool (the markup then degrades to plain content).
+
+A call that max_tokens cut short has a second reader (`CallSyntax.cut`, for the forms
+that mark where a function's name ends): the call as far as it was written, its arguments
+the start of a JSON object (`arguments_object` reads them as far as they go).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+
+from butter.chat.partial_json import partial_string, read_prefix
 
 # Tool name → JSON schema of its parameters (None: no schema given).
 ToolSchemas = Mapping[str, Mapping[str, Any] | None]
@@ -43,6 +49,9 @@ class CallSyntax:
     inner: tuple[str, ...] = ()  # marker texts inside the body
     # `open` is an ordinary word, a call only where it begins a line (`Action:`).
     line_start: bool = False
+    # The body of a call cut short (max_tokens): its calls, the last as far as it was
+    # written; None: where the form does not mark the end of the function's name yet.
+    cut: BodyParser | None = None
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -223,7 +232,84 @@ def _xml_calls(text: str, tools: ToolSchemas) -> Parsed:
                    for name, inner in calls), tools)
 
 
-TOOL_CALL = CallSyntax("tool_call", CALL_OPEN, CALL_CLOSE, parse_tool_call_body)
+# ---------------------------------------------------------------- calls cut short
+
+def arguments_object(arguments: str) -> dict[str, Any]:
+    """A call's arguments as an object: the JSON object they are, or, for a call cut short,
+    its members as far as they were written (read_prefix's rule: a member cut short is
+    left out); {} where none was."""
+    value = _json(arguments)
+    if isinstance(value, dict):
+        return value
+    prefix = read_prefix(arguments)
+    return prefix.value if prefix is not None and isinstance(prefix.value, dict) else {}
+
+
+def cut_json_call(text: str, tools: ToolSchemas) -> Parsed:
+    """A JSON call object cut short: [(name, arguments)] where its name is complete and
+    offered and its arguments, so far, are the start of a JSON object (the text as the
+    model wrote it; "" where it had not begun them); else None."""
+    text = text.strip()
+    prefix = read_prefix(text)
+    if prefix is None or not isinstance(prefix.value, dict):
+        return None
+    name = prefix.value.get("name", prefix.value.get("tool_name"))
+    if not isinstance(name, str) or name not in tools:
+        return None
+    span = prefix.members.get("arguments", prefix.members.get("parameters"))
+    written: str | None = "" if span is None else text[span[0]:span[1]].strip()
+    if written and written.startswith('"'):  # double-encoded: the text inside
+        written = partial_string(written)
+    if written is None or not written.strip():
+        return None if written is None else [(name, "")]
+    arguments = read_prefix(written)
+    if arguments is None or not isinstance(arguments.value, dict):
+        return None
+    if arguments.complete:
+        return _calls([(name, arguments.value)], tools)
+    return [(name, written.strip())]
+
+
+def cut_tool_call_body(body: str, tools: ToolSchemas) -> Parsed:
+    """A `<tool_call>` body cut short, in the forms that mark where the name ends: JSON,
+    and XML (its complete parameters, as the start of a JSON object)."""
+    text = body.strip()
+    if text.startswith("{"):
+        return cut_json_call(text, tools)
+    if text.startswith("<function="):
+        return _cut_xml_calls(text, tools)
+    return None
+
+
+def _cut_xml_calls(text: str, tools: ToolSchemas) -> Parsed:
+    done, _, last = text.rpartition("<function=")
+    calls = _xml_calls(done, tools) if done.strip() else []
+    if calls is None:
+        return None
+    if "</function>" in last:  # whole, but for what follows it
+        whole = _xml_calls("<function=" + last, tools)
+        return None if whole is None else calls + whole
+    name, opened, inner = last.partition(">")
+    name = name.strip()
+    if not opened or name not in tools:
+        return None
+    closed = inner.rfind("</parameter>") + len("</parameter>") if "</parameter>" in inner else 0
+    rest = inner[closed:].strip()
+    if rest and not (rest.startswith("<parameter=") or "<parameter=".startswith(rest)
+                     or "</function>".startswith(rest)):
+        return None
+    parameters = _parameters(inner[:closed], "<parameter=", "</parameter>", name, tools)
+    if parameters is None:
+        return None
+    try:
+        written = json.dumps(parameters, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return [*calls, (name, written[:-1])]  # an object not closed: cut short
+
+
+TOOL_CALL = CallSyntax("tool_call", CALL_OPEN, CALL_CLOSE, parse_tool_call_body,
+                       cut=cut_tool_call_body)
 
 
 # ---------------------------------------------------------------- other families
@@ -489,7 +575,8 @@ FAMILIES = (
     CallSyntax("tool_calls", "<tool_calls>", "</tool_calls>", json_calls),  # Apriel, MiniMax-M1
     CallSyntax("gigachat", "<|function_call|>", None, json_calls),
     CallSyntax("minimax", "<minimax:tool_call>", "</minimax:tool_call>", _invoke),
-    CallSyntax("seed", "<seed:tool_call>", "</seed:tool_call>", parse_tool_call_body),
+    CallSyntax("seed", "<seed:tool_call>", "</seed:tool_call>", parse_tool_call_body,
+               cut=cut_tool_call_body),
     CallSyntax("functionary", "<function=", "</function>", _functionary),
     CallSyntax("hunyuan", "<tool_calls:opensource>", "</tool_calls:opensource>", _hunyuan),
     CallSyntax("minicpm", '<function name="', "</function>", _minicpm),

@@ -116,7 +116,7 @@ async def generated_events(
             yield LogprobsDelta(tuple(logprobs[:used]))
         if assembler.stopped:
             break  # the engine drops it before the next step
-    for event in assembler.finish():
+    for event in assembler.finish(cut=generation.finish_reason == "length"):
         yield event
     if observer is not None:
         observer.tool_calls += assembler.tool_calls

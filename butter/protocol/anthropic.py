@@ -23,13 +23,13 @@ What agent clients send beyond the basics (Claude Code, see the README):
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 import attrs
 
 from butter.chat import grammar as grammars
 from butter.chat.request import ChatPrompt, FinishReason, GenerationRequest, Usage
+from butter.chat.tool_calls import arguments_object
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
 from butter.sampling import SamplingParams
@@ -375,4 +375,6 @@ def message_body(
 
 
 def tool_use_block(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    return {"type": "tool_use", "id": call_id, "name": name, "input": json.loads(arguments)}
+    # (A call cut short by max_tokens: its input as far as it was written.)
+    return {"type": "tool_use", "id": call_id, "name": name,
+            "input": arguments_object(arguments)}

@@ -19,6 +19,7 @@ import attrs
 from butter.chat import grammar as grammars
 from butter.chat.markup import ToolCall
 from butter.chat.request import ChatPrompt, GenerationRequest, Prompt, TextPrompt
+from butter.chat.tool_calls import arguments_object
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
 from butter.protocol.openai import MAX_TOP_K
@@ -329,7 +330,7 @@ def chat_message(content: str, thinking: str = "",
     if tool_calls:
         message["tool_calls"] = [
             {"id": call.id, "function": {"index": call.index, "name": call.name,
-                                          "arguments": json.loads(call.arguments)}}
+                                          "arguments": arguments_object(call.arguments)}}
             for call in tool_calls]
     return message
 
