@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import openai
@@ -223,3 +224,21 @@ def test_return_progress_reports_the_prompt_as_it_is_evaluated(
     assert progress[-1]["processed"] == progress[-1]["total"] > 300
     assert all(update["cache"] <= update["processed"] for update in progress)
     assert progress[-1]["time_ms"] >= progress[0]["time_ms"]
+
+
+def test_tokenize_counts_the_tools_the_chat_request_describes(
+        demo_server: ServerProcess, client: openai.OpenAI) -> None:
+    """vLLM's /tokenize with `messages` and `tools`: the count is the chat request's
+    usage.prompt_tokens for the same body. Gemma's template renders no tools, so they
+    reach the prompt as butter's tools preamble, which /tokenize counts too."""
+    tools: list[Any] = [{"type": "function", "function": {
+        "name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    counts = []
+    for body in ({"messages": MESSAGES}, {"messages": MESSAGES, "tools": tools}):
+        counted = httpx.post(f"{demo_server.base_url}/tokenize", json=body, timeout=60).json()
+        chat = client.chat.completions.create(model="gemma-3-270m", max_tokens=1, **body)
+        assert chat.usage is not None
+        assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens, body
+        counts.append(counted["count"])
+    assert counts[1] > counts[0] + 50  # the preamble and the tool's schema

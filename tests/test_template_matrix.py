@@ -107,10 +107,10 @@ def _extract_templates(sdist: Path, folder: Path) -> None:
                 (folder / Path(member.name).name).write_bytes(source.read())
 
 
-@pytest.fixture(scope="module")
-def templates() -> list[Path]:
+def llama_cpp_templates() -> list[Path]:
     """The .jinja files of the llama.cpp that llama-cpp-python vendors, from its sdist
-    (pip's cache serves it: installing butter built llama-cpp-python from it)."""
+    (pip's cache serves it: installing butter built llama-cpp-python from it); skips
+    where the sdist is out of reach."""
     version = importlib.metadata.version("llama_cpp_python")
     folder = CACHE_DIR / f"llama-cpp-templates-{version}"
     if not any(folder.glob("*.jinja")):
@@ -125,6 +125,11 @@ def templates() -> list[Path]:
                         f"{done.stderr.strip()[-300:]}")
         _extract_templates(next(download.glob(f"llama_cpp_python-{version}.tar.gz")), folder)
     return sorted(folder.glob("*.jinja"))
+
+
+@pytest.fixture(scope="module")
+def templates() -> list[Path]:
+    return llama_cpp_templates()
 
 
 def render(template: ChatTemplate, body: dict[str, Any]) -> str:

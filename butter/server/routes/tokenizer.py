@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import trio
 from quart import Blueprint, Response
 
+from butter.chat.request import ChatPrompt
 from butter.pipeline import prepare as preparing
+from butter.pipeline.resident import ResidentModel
+from butter.protocol import openai as openai_wire
 from butter.protocol import tokenizer as tokenizer_wire
 from butter.server.routes.common import check_model, json_body, json_response, served
 
@@ -16,16 +20,37 @@ routes = Blueprint("tokenizer", __name__)
 
 @routes.post("/tokenize")
 async def tokenize() -> Response:
-    tokenize_request = tokenizer_wire.parse_tokenize_request(await json_body())
+    """`prompt` (or `content`) as text, or `messages` as the prompt that a chat request
+    with the same body would have: its `tools`, `chat_template_kwargs` and
+    `reasoning_effort` included (vLLM's /tokenize renders them too)."""
+    body = await json_body()
+    tokenize_request = tokenizer_wire.parse_tokenize_request(body)
+    chat = _chat_prompt(body) if tokenize_request.messages is not None else None
     resident = await served().holder.resident_for(None)
     check_model(resident, tokenize_request.model)
-    messages = (tokenizer_wire.chat_messages(tokenize_request)
-                if tokenize_request.messages is not None else None)
     tokens, pieces = await trio.to_thread.run_sync(functools.partial(
-        preparing.tokenize, resident, tokenize_request.text, messages,
-        add_special=tokenize_request.adds_special,
-        with_pieces=tokenize_request.with_pieces))
+        _tokens, resident, tokenize_request, chat))
     return json_response(tokenizer_wire.tokenize_body(tokens, resident.max_context, pieces))
+
+
+def _chat_prompt(body: Any) -> ChatPrompt:
+    """The body read as a chat request, by the chat route's own parsing: its prompt."""
+    chat_request = openai_wire.parse_chat_request(body)
+    served().check_messages(len(chat_request.messages))
+    prompt = openai_wire.generation_request(chat_request).prompt
+    if not isinstance(prompt, ChatPrompt):  # (a chat request's prompt always is)
+        raise TypeError(f"a chat request gave a {type(prompt).__name__}")
+    return prompt
+
+
+def _tokens(resident: ResidentModel, request: tokenizer_wire.TokenizeRequest,
+            chat: ChatPrompt | None) -> tuple[list[int], list[str] | None]:
+    """Blocking. A chat prompt is rendered and tokenized as the pipeline prepares a chat
+    request's (prepare.render, then the prompt's tokens with BOS where the model wants one
+    and the template did not write it)."""
+    text = request.text if chat is None else preparing.render(resident, chat)
+    return preparing.tokenize(resident, text, None, add_special=(
+        request.adds_special if chat is None else True), with_pieces=request.with_pieces)
 
 
 @routes.post("/detokenize")
