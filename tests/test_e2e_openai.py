@@ -242,3 +242,76 @@ def test_tokenize_counts_the_tools_the_chat_request_describes(
         assert counted["count"] == len(counted["tokens"]) == chat.usage.prompt_tokens, body
         counts.append(counted["count"])
     assert counts[1] > counts[0] + 50  # the preamble and the tool's schema
+
+
+def test_the_responses_api_is_a_404_that_names_chat_completions(
+        demo_server: ServerProcess, client: openai.OpenAI) -> None:
+    """butter serves no Responses API, by design: the SDK's call is a NotFoundError in
+    OpenAI's error shape whose message names the way out (Chat Completions, and
+    openai-agents' switch to it), not the web framework's text."""
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="gemma-3-270m", input="Hello")
+    error = caught.value
+    assert error.type == "invalid_request_error" and error.code == "unknown_route"
+    assert isinstance(error.body, dict) and set(error.body) == {"message", "type", "param",
+                                                                 "code"}
+    message = error.body["message"]
+    assert "Chat Completions" in message and "POST /v1/chat/completions" in message
+    assert 'set_default_openai_api("chat_completions")' in message
+    assert "requested URL" not in message  # (werkzeug's words)
+
+
+def test_openai_agents_at_its_defaults_hears_how_to_switch_to_chat_completions(
+        demo_server: ServerProcess) -> None:
+    """openai-agents (from PyPI), as it runs by default (the Responses API): the run fails
+    with butter's 404, which tells the switch; the same agent on Chat Completions answers."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    sdk = openai.AsyncOpenAI(base_url=demo_server.api, api_key="unused", max_retries=0)
+    settings = agents.ModelSettings(max_tokens=4, temperature=0)
+    by_default = agents.Agent(name="a", instructions="Be brief.", model_settings=settings,
+                              model=agents.OpenAIResponsesModel("gemma-3-270m", sdk))
+    with pytest.raises(openai.NotFoundError, match="set_default_openai_api"):
+        agents.Runner.run_sync(by_default, "Hello", max_turns=1)
+    switched = by_default.clone(
+        model=agents.OpenAIChatCompletionsModel("gemma-3-270m", sdk))
+    assert agents.Runner.run_sync(switched, "Hello", max_turns=1).final_output
+
+
+def test_unknown_routes_and_methods_answer_in_each_apis_shape(
+        demo_server: ServerProcess) -> None:
+    """A path butter does not serve is a 404 that lists the routes it does; a route called
+    with a method it does not answer is a 405 naming the one it does (and `Allow`); each
+    in the shape of the API the path belongs to: OpenAI's, Anthropic's (/v1/messages...)
+    or Ollama's (/api/...)."""
+    base = demo_server.base_url
+    embeddings = httpx.post(f"{base}/v1/embeddings", json={"input": "x"})
+    assert embeddings.status_code == 404
+    error = embeddings.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] == "unknown_route" and "POST /v1/embeddings" in error["message"]
+    for served_route in ("POST /v1/chat/completions", "GET /v1/models", "POST /v1/messages",
+                         "POST /v1/tokenize", "POST /api/chat", "GET /health"):
+        assert served_route in error["message"], served_route
+    assert "/static" not in error["message"] and "/ui/" not in error["message"]
+
+    batches = httpx.post(f"{base}/v1/messages/batches", json={"requests": []})
+    assert batches.status_code == 404
+    assert batches.json()["type"] == "error"
+    assert batches.json()["error"]["type"] == "not_found_error"
+    assert "POST /v1/messages" in batches.json()["error"]["message"]
+    pull = httpx.post(f"{base}/api/pull", json={"model": "x"})
+    assert pull.status_code == 404 and set(pull.json()) == {"error"}
+    assert "POST /api/chat" in pull.json()["error"]
+
+    wrong = {("GET", "/v1/chat/completions"): ("POST", lambda body: body["error"]["message"]),
+             ("GET", "/v1/messages"): ("POST", lambda body: body["error"]["message"]),
+             ("POST", "/api/tags"): ("GET", lambda body: body["error"]),
+             ("DELETE", "/v1/models"): ("GET", lambda body: body["error"]["message"])}
+    for (method, path), (allowed, message_of) in wrong.items():
+        answer = httpx.request(method, f"{base}{path}")
+        assert answer.status_code == 405, (method, path, answer.text)
+        assert allowed in answer.headers["allow"].split(", ")
+        assert message_of(answer.json()) == (
+            f"{method} {path}: this route answers {allowed}"), answer.text
+    assert httpx.get(f"{base}/v1/messages").json()["type"] == "error"  # Anthropic's shape

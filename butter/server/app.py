@@ -7,9 +7,9 @@ import logging
 from collections.abc import Sequence
 
 from prometheus_client.registry import Collector
-from quart import Response, request
+from quart import Response, current_app, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from butter.engine.engine import Engine
 from butter.errors import ButterError, Forbidden, Overloaded, RequestTooLarge, Unauthorized
@@ -156,8 +156,80 @@ async def handle_http_error(error: HTTPException) -> Response:
     if status == 413:
         return error_response(RequestTooLarge(
             f"the request body exceeds {served().limits.max_body_bytes} bytes"))
+    if request.url_rule is None and status in (404, 405):  # no route took the request
+        return error_response(unrouted(error))
     wrapped = ButterError(error.description or error.name)
     wrapped.status = status
     wrapped.openai_type = "invalid_request_error" if status < 500 else "server_error"
     wrapped.anthropic_type = "not_found_error" if status == 404 else "invalid_request_error"
     return error_response(wrapped)
+
+
+# ---- requests no route takes: a path butter does not serve, or a method a route does not
+
+class UnknownRoute(ButterError):
+    status = 404
+    openai_type = "invalid_request_error"
+    anthropic_type = "not_found_error"
+    code = "unknown_route"
+
+
+class WrongMethod(ButterError):
+    status = 405
+    openai_type = "invalid_request_error"
+    anthropic_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+    def __init__(self, message: str, *, allowed: Sequence[str]):
+        super().__init__(message)
+        self.allowed = allowed
+
+    def headers(self) -> dict[str, str]:
+        return {"Allow": ", ".join(self.allowed)}
+
+
+# OpenAI's Responses API: out of scope by design (openai-agents calls it by default).
+RESPONSES_PATHS = (f"{routes.API_PREFIX}/responses", "/responses")
+NOT_RESPONSES = (
+    "butter does not serve OpenAI's Responses API ({method} {path}), by design: use Chat "
+    "Completions, POST /v1/chat/completions. In openai-agents, call "
+    'set_default_openai_api("chat_completions") before running an agent (or give it an '
+    "OpenAIChatCompletionsModel).")
+# Methods every route answers by itself; a 405 names the others.
+_IMPLIED_METHODS = ("HEAD", "OPTIONS")
+
+
+def unrouted(error: HTTPException) -> ButterError:
+    """The error for a request no route takes, in words that say what to call instead: a
+    405 names the methods the route answers, the Responses API says how to use Chat
+    Completions, and any other path gets the list of the routes butter serves."""
+    method, path = request.method, request.path
+    if isinstance(error, MethodNotAllowed):
+        allowed = sorted(error.valid_methods or ())
+        answers = [name for name in allowed if name not in _IMPLIED_METHODS]
+        return WrongMethod(f"{method} {path}: this route answers {' and '.join(answers)}",
+                           allowed=allowed)
+    if any(path == prefix or path.startswith(prefix + "/") for prefix in RESPONSES_PATHS):
+        return UnknownRoute(NOT_RESPONSES.format(method=method, path=path))
+    return UnknownRoute(f"butter serves no {method} {path}. Its routes: "
+                        f"{', '.join(served_routes())} (each /v1 route also answers "
+                        "without /v1)")
+
+
+def served_routes() -> list[str]:
+    """`METHOD /path` for every route of the app: the /v1 spelling where a route has both,
+    the APIs first (/v1, then Ollama's /api), then the probes and the chat page."""
+    rules = [rule for rule in current_app.url_map.iter_rules()
+             if rule.endpoint != "static" and "<" not in rule.rule]
+    paths = {rule.rule for rule in rules}
+    listed = [(rule.rule, method) for rule in rules
+              if f"{routes.API_PREFIX}{rule.rule}" not in paths
+              for method in sorted(rule.methods or ()) if method not in _IMPLIED_METHODS]
+
+    def group(path: str) -> int:
+        if path.startswith(routes.API_PREFIX + "/"):
+            return 0
+        return 1 if path.startswith(OLLAMA_PREFIX + "/") else 2
+
+    return [f"{method} {path}" for path, method in sorted(
+        listed, key=lambda listed_route: group(listed_route[0]))]
