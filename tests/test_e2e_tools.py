@@ -317,3 +317,211 @@ def test_an_openai_agents_tool_loop(instruct_server: ServerProcess) -> None:
         time.sleep(0.05)
     assert rounds() == 2  # the call, then the answer
 
+
+
+# ------------------------------------------- calls cut by max_tokens, on SmolLM2 (ChatML)
+
+FINAL_ANSWER = {"type": "function", "function": {
+    "name": "final_answer", "description": "Give the final answer",
+    "parameters": {"type": "object", "properties": {"answer": {"type": "string"}},
+                   "required": ["answer"]}}}
+FORECAST = {"type": "object", "properties": {"city": {"type": "string"},
+                                             "days": {"type": "integer"}},
+            "required": ["city", "days"]}
+
+
+def _squeezed(text: str) -> str:
+    """Without white space (a prefix stays a prefix: the server writes a whole call's
+    arguments in its own layout, a cut one as the model wrote them)."""
+    return "".join(text.split())
+
+
+def _as_far_as(partial: dict[str, object], whole: dict[str, object]) -> bool:
+    """`partial` holds members of `whole`, a number possibly cut short."""
+    return all(key in whole and (value == whole[key] or (
+        isinstance(value, int) and str(whole[key]).startswith(str(value))))
+        for key, value in partial.items())
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(
+        instruct_server: ServerProcess) -> None:
+    """smolagents' case (its own max_tokens cut the forced final_answer call): at every
+    cut the answer is no text and either nothing (the function's name was not finished)
+    or the call as far as it went, its arguments a prefix of the whole call's; finish
+    reason length, streamed or not."""
+    client = openai.OpenAI(base_url=instruct_server.api, api_key="unused", max_retries=0,
+                           timeout=120)
+    ask = {"model": "smollm2-135m", "messages": [
+        {"role": "user", "content": "What is 2+2? Explain at length."}],
+        "tools": [FINAL_ANSWER], "tool_choice": "required", "temperature": 0}
+    whole = client.chat.completions.create(**ask, max_tokens=200)  # type: ignore[call-overload]
+    assert whole.choices[0].finish_reason == "tool_calls"
+    (call,) = whole.choices[0].message.tool_calls or []
+    written = _squeezed(call.function.arguments)
+    outcomes = set()
+    for max_tokens in range(2, whole.usage.completion_tokens, 2):
+        cut = client.chat.completions.create(**ask, max_tokens=max_tokens)  # type: ignore[call-overload]
+        choice = cut.choices[0]
+        assert choice.finish_reason == "length", max_tokens
+        assert not choice.message.content, (max_tokens, choice.message.content)
+        calls = [(c.function.name, c.function.arguments)
+                 for c in choice.message.tool_calls or []]
+        assert len(calls) <= 1 and all(c.id.startswith("call_")
+                                       for c in choice.message.tool_calls or [])
+        for name, arguments in calls:
+            assert name == "final_answer" and written.startswith(_squeezed(arguments))
+        outcomes.add(bool(calls))
+        content, deltas, finish = "", [], None
+        for chunk in client.chat.completions.create(**ask, max_tokens=max_tokens,
+                                                    stream=True):  # type: ignore[call-overload]
+            if chunk.choices:
+                content += chunk.choices[0].delta.content or ""
+                deltas += chunk.choices[0].delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+        assert finish == "length" and content == "", (max_tokens, content)
+        streamed = [(d.function.name, "".join(e.function.arguments or "" for e in deltas
+                                              if e.index == d.index and e.function))
+                    for d in deltas if d.id and d.function]
+        assert streamed == calls, max_tokens
+    assert outcomes == {False, True}  # cut inside the name, and inside the arguments
+
+
+def test_a_tool_use_cut_by_max_tokens_has_its_input_as_far_as_it_went(
+        instruct_server: ServerProcess) -> None:
+    """Anthropic's words: stop_reason max_tokens, a tool_use block (or none, where the
+    name was not finished) whose input holds the members written so far; the SDK's stream
+    (which reads the partial input_json) gives the same message."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=instruct_server.base_url, api_key="unused",
+                                 max_retries=0, timeout=120)
+    ask = {"model": "smollm2-135m", "messages": [
+        {"role": "user", "content": "What is the weather in Paris for the next 3 days?"}],
+        "tools": [{"name": "get_weather", "description": "Weather forecast for a city",
+                   "input_schema": FORECAST}],
+        "tool_choice": {"type": "any"}, "extra_body": {"temperature": 0}}
+    whole = client.messages.create(**ask, max_tokens=200)
+    assert whole.stop_reason == "tool_use"
+    (call,) = whole.content
+    assert call.type == "tool_use" and set(call.input) == {"city", "days"}
+    inputs = []
+    for max_tokens in range(2, whole.usage.output_tokens, 3):
+        cut = client.messages.create(**ask, max_tokens=max_tokens)
+        with client.messages.stream(**ask, max_tokens=max_tokens) as stream:
+            streamed = stream.get_final_message()
+        assert cut.stop_reason == streamed.stop_reason == "max_tokens", max_tokens
+        blocks = [(b.type, b.name, b.input) for b in cut.content]
+        assert blocks == [(b.type, b.name, b.input) for b in streamed.content], max_tokens
+        assert len(blocks) <= 1, blocks
+        for kind, name, given in blocks:
+            assert kind == "tool_use" and name == "get_weather"
+            assert _as_far_as(given, call.input), (given, call.input)
+            inputs.append(given)
+    assert {} in inputs and {"city": "Paris"} in inputs  # before and after the first member
+
+
+def test_an_ollama_call_cut_by_num_predict(instruct_server: ServerProcess) -> None:
+    """Ollama has no tool_choice: SmolLM2 calls the tool after two examples of it. Cut at
+    every few tokens: done_reason length, no markup in content, the call's arguments (an
+    object) as far as they went, streamed or not."""
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=instruct_server.base_url, timeout=120)
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather forecast for a city",
+        "parameters": FORECAST}}
+
+    def example(city: str, days: int) -> list[dict[str, object]]:
+        return [{"role": "user", "content": f"What is the weather in {city} for {days} days?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"function": {
+                    "name": "get_weather", "arguments": {"city": city, "days": days}}}]},
+                {"role": "tool", "content": "Sunny", "tool_name": "get_weather"},
+                {"role": "assistant", "content": f"It is sunny in {city}."}]
+
+    messages = [*example("Oslo", 2), *example("Rome", 5),
+                {"role": "user", "content": "What is the weather in Paris for 3 days?"}]
+
+    def chat(num_predict: int, stream: bool = False) -> object:
+        return client.chat(model="smollm2-135m", messages=messages, tools=[weather],
+                           stream=stream, options={"num_predict": num_predict,
+                                                   "temperature": 0})
+
+    whole = chat(100)
+    (call,) = whole.message.tool_calls or []
+    assert whole.done_reason == "stop" and call.function.arguments == {"city": "Paris",
+                                                                       "days": 3}
+    named = []
+    for num_predict in range(2, whole.eval_count, 3):
+        cut = chat(num_predict)
+        parts = list(chat(num_predict, stream=True))
+        assert cut.done_reason == parts[-1].done_reason == "length", num_predict
+        assert cut.message.content == "".join(p.message.content for p in parts) == "", (
+            num_predict, cut.message.content)
+        calls = [(c.function.name, dict(c.function.arguments))
+                 for c in cut.message.tool_calls or []]
+        assert calls == [(c.function.name, dict(c.function.arguments))
+                         for p in parts for c in p.message.tool_calls or []], num_predict
+        assert len(calls) <= 1
+        for name, arguments in calls:
+            assert name == "get_weather" and _as_far_as(arguments, call.function.arguments)
+            named.append(arguments)
+    assert named and len(named) < len(range(2, whole.eval_count, 3))  # both kinds of cut
+
+
+# ------------------------------------------- JSON schemas leave no object open, on SmolLM2
+
+# `llm --schema 'name, age int'`: properties and required, no additionalProperties.
+PERSON = {"type": "object", "properties": {"name": {"type": "string"},
+                                           "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+
+
+def _exactly_a_person(value: object) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(value, {**PERSON, "additionalProperties": False})
+    assert isinstance(value, dict) and set(value) == {"name", "age"}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_response_format_schema_gets_exactly_its_keys(
+        instruct_server: ServerProcess, strict: bool) -> None:
+    """The schema as `llm` sends it (strict or not) once ran to 5,014 tokens of extra keys
+    and an endless array; closed, the object ends after its two keys and the model's turn
+    with it."""
+    client = openai.OpenAI(base_url=instruct_server.api, api_key="unused", max_retries=0,
+                           timeout=120)
+    for seed in (1, 2, 3):
+        result = client.chat.completions.create(
+            model="smollm2-135m", messages=[{"role": "user", "content": "Invent a person."}],
+            response_format={"type": "json_schema", "json_schema": {
+                "name": "person", "strict": strict, "schema": PERSON}},
+            max_tokens=200, temperature=0 if seed == 1 else 1.0, seed=seed)
+        choice = result.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        _exactly_a_person(json.loads(choice.message.content or ""))
+
+
+def test_an_ollama_format_schema_gets_exactly_its_keys(instruct_server: ServerProcess) -> None:
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=instruct_server.base_url, timeout=120)
+    for seed in (1, 2, 3):
+        result = client.chat(model="smollm2-135m", format=PERSON, options={
+            "num_predict": 200, "seed": seed, "temperature": 0 if seed == 1 else 1.0},
+            messages=[{"role": "user", "content": "Invent a person."}])
+        assert result.done_reason == "stop", result.message.content
+        _exactly_a_person(json.loads(result.message.content))
+
+
+def test_an_anthropic_forced_tool_input_gets_exactly_its_keys(
+        instruct_server: ServerProcess) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=instruct_server.base_url, api_key="unused",
+                                 max_retries=0, timeout=120)
+    result = client.messages.create(  # (the Messages API has no seed: greedy)
+        model="smollm2-135m", max_tokens=200, tool_choice={"type": "any"},
+        tools=[{"name": "record_person", "description": "Record a person",
+                "input_schema": PERSON}],
+        messages=[{"role": "user", "content": "Invent a person and record them."}],
+        extra_body={"temperature": 0})
+    assert result.stop_reason == "tool_use"
+    (block,) = result.content
+    assert block.type == "tool_use" and block.name == "record_person"
+    _exactly_a_person(block.input)

@@ -328,3 +328,42 @@ def test_an_unenforceable_schema_is_a_400_naming_the_keyword(client: openai.Open
             max_tokens=6,
         )
     assert err.value.status_code == 400
+
+
+# ---------------------------------------------------------------- objects closed
+
+# What `llm --schema 'name, age int'` sends: properties and required, nothing else.
+LLM_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+
+
+def test_a_response_format_schema_is_closed_unless_it_says_otherwise() -> None:
+    assert json_schema_grammar(LLM_SCHEMA).schema == {**LLM_SCHEMA,
+                                                      "additionalProperties": False}
+    for said in (True, {"type": "integer"}):
+        schema = {**LLM_SCHEMA, "additionalProperties": said}
+        assert json_schema_grammar(schema).schema == schema
+
+
+def test_the_closed_grammar_refuses_another_key_and_the_open_one_takes_it(
+        tiny_gguf: Path) -> None:
+    """The compiled constraint itself, token by token (no model's choice involved): with
+    the schema as `llm` sends it, the object ends after its keys; with
+    `additionalProperties: true` it takes another one."""
+    backend = _load("gguf", tiny_gguf)
+    try:
+        grammars = backend.samplers.grammars  # type: ignore[attr-defined]
+
+        def accepts(schema: Any, text: str) -> bool:
+            matcher = grammars.matcher(json_schema_grammar(schema))
+            tokens = backend.tokenize(text, add_bos=False)
+            return bool(matcher.validate_tokens(tokens) == len(tokens)
+                        and matcher.consume_tokens(tokens) and matcher.is_accepting())
+
+        exact, extra = '{"name": "Ada", "age": 36}', '{"name": "Ada", "age": 36, "gender": "f"}'
+        assert accepts(LLM_SCHEMA, exact) and not accepts(LLM_SCHEMA, extra)
+        open_schema = {**LLM_SCHEMA, "additionalProperties": True}
+        assert accepts(open_schema, exact) and accepts(open_schema, extra)
+    finally:
+        backend.close()

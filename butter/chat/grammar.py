@@ -1,7 +1,9 @@
 """What forced tool calls and JSON output must look like, as a neutral constraint (pure).
 
 This module only chooses the JSON schema and whether the output is that JSON alone or one
-call wrapped in the `<tool_call>` markup that the markup parser recovers. The backends
+call wrapped in the `<tool_call>` markup that the markup parser recovers. Every schema it
+is given has its objects closed (`closed_objects`): a forced call's arguments, a
+`response_format` schema, Ollama's `format`. The backends
 compile the constraint with llguidance, which follows the whole JSON schema
 (butter/backends/constraints.py), and say through `check_sampling` (ValueError, naming the
 keyword) when a schema cannot be followed exactly: never approximated.
@@ -56,12 +58,14 @@ def closed_objects(schema: Any) -> Any:
     """`schema` with every object that lists `properties` and says nothing about
     `additionalProperties` closed to the keys it lists.
 
-    JSON Schema allows unlisted keys by default, and a small model under a forced call
-    fills them with keys the tool never declared (`"temperature": 24.8` beside `"city"`),
-    often until max_tokens; the function on the other end rejects them. llama.cpp's
-    schema converter closes such objects the same way. Members of `allOf` are left as they
-    are: closing each would forbid the keys the others add. Anything the schema says
-    outright (`additionalProperties: true` or a schema) is kept."""
+    JSON Schema allows unlisted keys by default, and a small model fills them with keys
+    the schema never declared (`"temperature": 24.8` beside `"city"`, `"gender"` beside
+    `"name"` and `"age"`), often until max_tokens; the code on the other end rejects them.
+    llama.cpp's schema converter, Ollama and vLLM (xgrammar) close such objects the same
+    way, and OpenAI's strict mode accepts only closed ones. Members of `allOf` are left as
+    they are: closing each would forbid the keys the others add. Anything the schema says
+    outright (`additionalProperties: true` or a schema) is kept: that is the way to ask
+    for an open object."""
     if isinstance(schema, list):
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, dict):
@@ -92,4 +96,5 @@ def json_object_grammar() -> OutputConstraint:
 
 
 def json_schema_grammar(schema: Mapping[str, Any]) -> OutputConstraint:
-    return OutputConstraint.of(schema)
+    """JSON that follows `schema`, its objects closed (`closed_objects`), strict or not."""
+    return OutputConstraint.of(closed_objects(schema))
