@@ -16,14 +16,19 @@ RECIPIENTS = "functionary-v3.2"
 
 
 class AnswerParser(Protocol):
-    """Generated text in, content / reasoning / tool-call events out."""
+    """Generated text in, content / reasoning / tool-call events out. `finish(cut=True)`:
+    max_tokens ended the answer, and a call it cut comes back as far as it was written
+    once its function's name is complete, else not at all (`cut_inside_call` then)."""
 
     @property
     def tool_calls(self) -> int: ...
 
+    @property
+    def cut_inside_call(self) -> bool: ...
+
     def feed(self, text: str) -> list[Event]: ...
 
-    def finish(self) -> list[Event]: ...
+    def finish(self, *, cut: bool = False) -> list[Event]: ...
 
 
 def answer_parser(

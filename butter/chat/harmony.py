@@ -9,6 +9,10 @@ message's `<|start|>`). The header names the channel and, for a tool call, the r
 `analysis` is reasoning, `final` (and `commentary` to no one) is the answer, and a message
 to `functions.NAME` is a tool call whose text is the arguments' JSON. An answer that does
 not begin with a header is plain content. Fed in any split, the events are the same.
+
+Cut by max_tokens (`finish(cut=True)`), a message to an offered function is a call as far
+as it was written once its recipient is complete (followed by a space or a marker), with
+the arguments written so far; a header that may still become a call's is left out.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ _LONGEST_HEADER = 256  # characters: past this without `<|message|>`, it was no 
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
 _FUNCTIONS = "functions."
+_OPENINGS = (START, CHANNEL)  # what opens the next message (which may be a call)
 
 
 class HarmonyParser(AddressedMessages):
@@ -48,6 +53,25 @@ class HarmonyParser(AddressedMessages):
         if "<|" not in text:  # markup cut short is not text; anything else is
             self._kind = "content"
             self._emit(text, events)
+
+    def _header_cut(self, text: str, events: list[Event]) -> None:
+        if not text.strip():
+            return
+        recipient = _RECIPIENT.search(text)
+        named = recipient.group(1) if recipient else None
+        if recipient is not None and recipient.end() < len(text):  # the name is complete
+            function = recipient.group(1).removeprefix(_FUNCTIONS)
+            if recipient.group(1).startswith(_FUNCTIONS) and function in self._tools:
+                call = self._cut_call(function, "")  # (its arguments not begun)
+                events.extend([call] if call is not None else [])
+                return
+        elif self._tools and (named is None or _may_address(named, self._tools)):
+            self._cut_inside_call = True  # a call's header may have begun: left out
+            return
+        self._header_cut_short(text, events)
+
+    def _may_open_message(self, held: str) -> bool:
+        return any(marker.startswith(held) for marker in _OPENINGS)
 
     # ------------------------------------------------------------------ internals
 
@@ -97,16 +121,28 @@ class HarmonyParser(AddressedMessages):
         else:
             events.append(ContentDelta(text))
 
-    def _close(self, events: list[Event]) -> None:
+    def _close(self, events: list[Event], *, cut: bool = False) -> None:
         if self._kind != "call":
             return
         self._kind = "content"
         body, self._body = self._body, ""
+        if cut and self._function in self._tools:
+            cut_call = self._cut_call(self._function, body)
+            events.extend([cut_call] if cut_call is not None else [])
+            return
         call = self._call(self._function, body)
         if call is None:  # not a call of an offered tool: its text, as it came
             self._emit(body, events)
         else:
             events.append(call)
+
+
+def _may_address(recipient: str, tools: ToolSchemas) -> bool:
+    """A recipient cut short may still become `functions.` and an offered tool's name."""
+    if not recipient.startswith(_FUNCTIONS):
+        return _FUNCTIONS.startswith(recipient)
+    written = recipient.removeprefix(_FUNCTIONS)
+    return any(name.startswith(written) for name in tools)
 
 
 def _may_be_header(text: str) -> bool:

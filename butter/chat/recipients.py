@@ -9,6 +9,10 @@
 `all` is the answer to the user; any other recipient is a function, and the message's
 text its arguments' JSON. An answer whose first line is no recipient is plain content.
 Fed in any split, the events are the same.
+
+Cut by max_tokens (`finish(cut=True)`), a message to an offered function is a call as far
+as it was written once its recipient's line is complete, with the arguments written so
+far; a recipient cut short that may still name an offered function is left out.
 """
 
 from __future__ import annotations
@@ -42,6 +46,17 @@ class RecipientParser(AddressedMessages):
         self._function = None
         if text.strip() != TO_USER:  # a lone recipient says nothing
             self._emit(self._marker + text, events)
+
+    def _header_cut(self, text: str, events: list[Event]) -> None:
+        # (A header is decided at its newline: here, the recipient is not complete.)
+        written = text.strip()
+        if (self._marker or written) and any(name.startswith(written) for name in self._tools):
+            self._cut_inside_call = True  # may still name an offered function: left out
+            return
+        self._header_cut_short(text, events)
+
+    def _may_open_message(self, held: str) -> bool:
+        return NEXT.startswith(held)
 
     def _step(self, events: list[Event]) -> bool:
         """Consume what can be decided; False when more text is needed."""
@@ -78,10 +93,14 @@ class RecipientParser(AddressedMessages):
         else:
             events.append(ContentDelta(text))
 
-    def _close(self, events: list[Event]) -> None:
+    def _close(self, events: list[Event], *, cut: bool = False) -> None:
         if self._function is None:
             return
         function, self._function = self._function, None
         body, self._body = self._body, ""
+        if cut and function in self._tools:
+            cut_call = self._cut_call(function, body)
+            events.extend([cut_call] if cut_call is not None else [])
+            return
         call = self._call(function, body)
         events.append(ContentDelta(self._header + body) if call is None else call)

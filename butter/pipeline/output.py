@@ -8,7 +8,7 @@ import attrs
 
 from butter.chat.answers import answer_parser
 from butter.chat.detokenize import IncrementalDetokenizer
-from butter.chat.markup import ContentDelta, Event, MarkupParser, ReasoningDelta, ToolCall
+from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import ChatPrompt, Logprobs
 from butter.chat.stops import StopMatcher
 from butter.pipeline.prepare import PreparedGeneration
@@ -44,7 +44,7 @@ class OutputAssembler:
         """The answer's calls, which make its finish reason `tool_calls`: none where
         max_tokens cut it inside a call (that call comes back as far as it was written,
         and the finish reason stays `length`)."""
-        if isinstance(self._markup, MarkupParser) and self._markup.cut_inside_call:
+        if self._markup.cut_inside_call:
             return 0
         return self._markup.tool_calls
 
@@ -53,15 +53,11 @@ class OutputAssembler:
 
     def finish(self, *, cut: bool = False) -> list[Event]:
         """The end of the answer. `cut`: max_tokens (or the context) ended it, not the
-        model: a tool call it ended inside never shows its markup (MarkupParser.finish).
-        Harmony and Functionary v3.2 answers end as their own parsers say."""
+        model: a tool call it ended inside never shows its markup (AnswerParser.finish)."""
         tail = self._stops.feed(self._detokenizer.flush()) + self._stops.flush()
         if not self._parses_markup:
             return self._events(tail)
-        events = self._markup.feed(tail)
-        if isinstance(self._markup, MarkupParser):
-            return events + self._markup.finish(cut=cut)
-        return events + self._markup.finish()
+        return self._markup.feed(tail) + self._markup.finish(cut=cut)
 
     def _events(self, text: str) -> list[Event]:
         if self._parses_markup:
