@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from butter.chat.answers import answer_parser
+from butter.chat.answers import MessagesOrCall, answer_parser
 from butter.chat.harmony import HarmonyParser
 from butter.chat.markup import ContentDelta, MarkupParser, ReasoningDelta, ToolCall
 from butter.chat.tool_calls import TOOL_CALL, arguments_object, syntax_named
@@ -81,7 +81,8 @@ def test_any_split_equals_the_whole(text: str, cuts: list[int]) -> None:
 def test_the_answer_parser_is_harmonys_for_gpt_oss_templates() -> None:
     harmony = syntax_named("harmony")
     assert harmony is not None
-    assert isinstance(answer_parser(TOOLS, syntaxes=(TOOL_CALL, harmony)), HarmonyParser)
+    parser = answer_parser(TOOLS, syntaxes=(TOOL_CALL, harmony))
+    assert isinstance(parser, MessagesOrCall) and isinstance(parser.messages, HarmonyParser)
     assert isinstance(answer_parser(TOOLS), MarkupParser)
 
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from butter.chat.answers import answer_parser
+from butter.chat.answers import MessagesOrCall, answer_parser
 from butter.chat.markup import ContentDelta, ToolCall
 from butter.chat.recipients import RecipientParser
 from butter.chat.tool_calls import TOOL_CALL, arguments_object, syntax_named
@@ -54,7 +54,8 @@ def test_any_split_equals_the_whole(cuts: list[int]) -> None:
 def test_the_answer_parser_is_this_one_for_functionary_v3_2() -> None:
     family = syntax_named("functionary-v3.2")
     assert family is not None
-    assert isinstance(answer_parser(TOOLS, syntaxes=(TOOL_CALL, family)), RecipientParser)
+    parser = answer_parser(TOOLS, syntaxes=(TOOL_CALL, family))
+    assert isinstance(parser, MessagesOrCall) and isinstance(parser.messages, RecipientParser)
 
 
 def test_an_arrow_in_the_text_stays_text() -> None:
