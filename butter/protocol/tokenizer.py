@@ -13,7 +13,6 @@ from typing import Any
 import attrs
 
 from butter.errors import InvalidRequest
-from butter.protocol import openai
 from butter.protocol.convert import make_converter, structure_request
 
 
@@ -57,12 +56,6 @@ def parse_tokenize_request(payload: Any) -> TokenizeRequest:
     if len(given) != 1:
         raise InvalidRequest("give one of prompt (or content) and messages", param="prompt")
     return request
-
-
-def chat_messages(request: TokenizeRequest) -> list[dict[str, Any]]:
-    """`messages` as the chat route shapes them for the template."""
-    chat = openai.parse_chat_request({"messages": request.messages})
-    return openai.template_messages(chat)
 
 
 def parse_detokenize_request(payload: Any) -> DetokenizeRequest:
