@@ -74,9 +74,10 @@ class Choice:
                      progress: bool = False) -> AsyncIterator[AnswerEvent]:
         """Output events, then the logprobs of their tokens (when the request asked); read
         once. `heartbeat`: a Heartbeat whenever that many seconds pass with no output.
-        `progress`: PromptProgress while the prompt is evaluated (looked at every
-        PROGRESS_POLL_SECONDS, yielded when it moved, a Heartbeat when not), and its
-        completion before the first output."""
+        `progress`: PromptProgress while the prompt is evaluated, as llama-server reports
+        it: first once the prompt has its session (its cached part known, `processed`
+        equal to it), then each advance (looked at every PROGRESS_POLL_SECONDS, a
+        Heartbeat when none), and the whole prompt before the first output."""
         reporting = progress
         output = generated_events(
             self._generation, self._assembler, observer=self._observer,
@@ -84,14 +85,20 @@ class Choice:
         async with aclosing(output):
             async for event in output:
                 if event is None:
-                    moved = self._moved(self.progress()) if progress else None
-                    yield moved or Heartbeat()
+                    reports = self._reports(evaluated=False) if reporting else []
+                    for report in reports:
+                        yield report
+                    if not reports:
+                        yield Heartbeat()
                     continue
                 if reporting:  # anything out means the whole prompt is in the cache
                     reporting = False
-                    if moved := self._moved(self._evaluated()):
-                        yield moved
+                    for report in self._reports(evaluated=True):
+                        yield report
                 yield event
+        if reporting and self._generation.prompt_evaluated:  # (it output no text at all)
+            for report in self._reports(evaluated=True):
+                yield report
 
     async def whole(self) -> OutputBlocks:
         """Every event, put together (the answer's blocks and logprobs), once it ended."""
@@ -168,15 +175,23 @@ class Choice:
             total=generation.prompt_tokens, cached=generation.cached_tokens,
             processed=processed, elapsed_ms=0 if leased is None else _ms_since(leased))
 
-    def _evaluated(self) -> PromptProgress:
-        return attrs.evolve(self.progress(), processed=self._generation.prompt_tokens)
-
-    def _moved(self, progress: PromptProgress) -> PromptProgress | None:
-        """`progress` if it differs from the last one reported (then it is the last)."""
-        if progress.processed == self._reported:
-            return None
-        self._reported = progress.processed
-        return progress
+    def _reports(self, *, evaluated: bool) -> list[PromptProgress]:
+        """The progress reports due now, none before the cached part is known: the first
+        (`processed` == `cached`: where the evaluation starts), then the current one if it
+        moved on (`evaluated`: the whole prompt)."""
+        if not self._generation.attached.is_set():
+            return []
+        now = self.progress()
+        if evaluated:
+            now = attrs.evolve(now, processed=self._generation.prompt_tokens)
+        reports = []
+        if self._reported < 0:
+            reports.append(attrs.evolve(now, processed=now.cached))
+            self._reported = now.cached
+        if now.processed > self._reported:
+            reports.append(now)
+            self._reported = now.processed
+        return reports
 
 
 class Answer:
