@@ -110,7 +110,6 @@ def test_errors_in_anthropic_shape() -> None:
     ({"tool_choice": {"type": "any"}}, "tool_choice"),
     ({"tool_choice": {"type": "tool", "name": "missing"},
       "tools": [{"name": "f", "input_schema": {}}]}, "tool_choice"),
-    ({"messages": []}, "messages"),
 ])
 def test_errors_name_anthropics_own_fields(fields: dict[str, Any], param: str) -> None:
     payload = {"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], **fields}
@@ -247,3 +246,17 @@ def test_every_effort_claude_code_sends_is_accepted() -> None:
     for effort, level in (("low", "low"), ("xhigh", "high"), ("max", "high")):
         chat = _convert(_claude_code_request(output_config={"effort": effort}))
         assert chat.prompt.template_kwargs["reasoning_effort"] == level  # type: ignore[union-attr]
+
+
+def test_no_messages_is_the_system_prompt_alone() -> None:
+    """As llama-server serves `messages: []`: the prompt is what the template renders of
+    the system prompt (or of nothing); count_tokens takes it too."""
+    chat = _convert({"max_tokens": 8, "system": "Answer in one word.", "messages": []})
+    assert _messages(chat) == [{"role": "system", "content": "Answer in one word."}]
+    assert _messages(_convert({"max_tokens": 8, "messages": []})) == []
+    counted = anthropic.generation_request(anthropic.parse_count_tokens_request(
+        {"system": [{"type": "text", "text": "Hi"}], "messages": []}))
+    assert _messages(counted) == [{"role": "system", "content": "Hi"}]
+    with pytest.raises(InvalidRequest) as refused:  # (the field itself is still required)
+        _convert({"max_tokens": 8})
+    assert refused.value.param == "messages"

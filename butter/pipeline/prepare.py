@@ -85,6 +85,24 @@ def tokenize(resident: ResidentModel, text: str | None, messages: list[dict[str,
     return tokens, [resident.backend.detokenize([token]) for token in tokens]
 
 
+def chat_tokens(resident: ResidentModel, prompt: ChatPrompt) -> list[int]:
+    """A chat prompt's tokens, as a generation would have them but not fitted to the
+    context (a token count); blocking."""
+    try:
+        return resident.tokenize_prompt(render(resident, prompt))
+    except BackendError as exc:
+        raise ModelReplaced(str(exc)) from None
+
+
+def prompt_text(resident: ResidentModel, tokens: list[int]) -> str:
+    """A prompt as the model sees it: its tokens' text, special tokens written out
+    (llama-server's `__verbose.prompt`); blocking."""
+    try:
+        return resident.backend.detokenize(tokens)
+    except BackendError as exc:
+        raise ModelReplaced(str(exc)) from None
+
+
 def checked_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
     if any(token >= n_vocab for token in tokens):
         raise InvalidRequest(f"the prompt has token ids beyond the vocabulary's {n_vocab}",
@@ -103,6 +121,10 @@ def prepare_tokens(
     resident: ResidentModel, request: GenerationRequest, prompt: list[int],
     *, starts_in_reasoning: bool = False,
 ) -> PreparedGeneration:
+    if not prompt:  # (nothing to evaluate: the engine would wait on it forever)
+        raise InvalidRequest(
+            "the prompt is empty: it renders to no tokens, so there is nothing to continue",
+            param="messages" if isinstance(request.prompt, ChatPrompt) else "prompt")
     max_tokens = fit_completion(len(prompt), request.max_tokens, resident.max_context,
                                 strict=resident.strict_max_tokens)
     check_choices(request.n, resident.engine.admission.slots)

@@ -19,6 +19,9 @@ What agent clients send beyond the basics (Claude Code, see the README):
   template's `reasoning_effort`.
 - `cache_control` and `context_management` are accepted and have nothing to do here:
   butter reuses every cached prefix by itself, and the client manages its own context.
+- `messages: []` is accepted, as llama-server accepts it: the prompt is the `system`
+  prompt alone, as the chat template renders it; a template that refuses to render it
+  (one that needs a user turn) answers 400 with its reason, as does a prompt of no tokens.
 """
 
 from __future__ import annotations
@@ -221,9 +224,9 @@ def _tool_constraint(choice: str, forced: str | None, tools: list[dict[str, Any]
 
 
 def _template_messages(request: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    """The conversation as chat templates take it (tool-call arguments as objects)."""
-    if not request.messages:
-        raise InvalidRequest("messages: must contain at least one message", param="messages")
+    """The conversation as chat templates take it (tool-call arguments as objects). An
+    empty `messages` is served as llama-server serves it: the prompt is what the template
+    renders of the system prompt alone (or of nothing), then the assistant's turn."""
     messages: list[dict[str, Any]] = []
     system = _system_text(request.system)
     if system:
