@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from butter.chat.request import Usage
+from butter.chat.request import Timings, Usage
 from butter.errors import InvalidRequest, Overloaded
 from butter.protocol import openai
 from butter.protocol.sse import DONE, data_event, named_event
@@ -146,3 +146,55 @@ def test_logit_bias_minus_100_bans_and_developer_is_system() -> None:
     # Not asked: nothing to compute.
     assert openai.generation_request(openai.parse_chat_request(
         {"messages": [USER]})).sampling.logprobs is None
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"add_generation_prompt": True, "continue_final_message": True},
+     "continue_final_message"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
+    ({"timings_per_token": 1}, "timings_per_token"),
+    ({"verbose": "true"}, "verbose"),
+])
+def test_llama_servers_fields_are_checked(fields: dict[str, object], param: str) -> None:
+    """add_generation_prompt and continue_final_message together contradict each other;
+    butter renders neither alone (every prompt ends with the assistant's new turn); the
+    flags are booleans."""
+    with pytest.raises(InvalidRequest) as refused:
+        openai.parse_chat_request({"messages": [USER], **fields})
+    assert refused.value.param == param
+
+
+def test_llama_servers_fields_at_their_defaults_parse() -> None:
+    request = openai.parse_chat_request({
+        "messages": [USER], "add_generation_prompt": True, "continue_final_message": False,
+        "timings_per_token": True, "verbose": True})
+    assert request.timings_per_token and request.verbose
+
+
+def test_verbose_body_says_how_the_answer_ended() -> None:
+    timings = Timings(cached_tokens=2, prompt_tokens=5, prompt_ms=10.0, predicted_tokens=3,
+                      predicted_ms=30.0)
+    usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=2)
+    common = {"prompt": "<p>", "model": "m", "usage": usage, "timings": timings}
+    limit = openai.verbose_body(**common, finish_reason="length", matched_stop=None,
+                                content="abc")
+    assert (limit["stop_type"], limit["stopping_word"], limit["content"]) == ("limit", "", "abc")
+    assert (limit["tokens_evaluated"], limit["tokens_predicted"]) == (7, 3)
+    assert limit["timings"] == openai.timings_body(timings)
+    word = openai.verbose_body(**common, finish_reason="stop", matched_stop="END")
+    assert (word["stop_type"], word["stopping_word"]) == ("word", "END")
+    assert "content" not in word  # (a stream sent it already)
+    assert openai.verbose_body(**common, finish_reason="tool_calls",
+                               matched_stop=None)["stop_type"] == "eos"
+
+
+def test_the_usage_chunk_carries_the_timings() -> None:
+    timings = Timings(cached_tokens=0, prompt_tokens=4, prompt_ms=8.0, predicted_tokens=2,
+                      predicted_ms=4.0)
+    chunk = openai.usage_chunk_body(completion_id="c", model="m", created=0,
+                                    usage=Usage(4, 2, 0), timings=timings)
+    assert chunk["choices"] == [] and chunk["timings"]["predicted_per_second"] == 500.0
+    assert "timings" not in openai.usage_chunk_body(completion_id="c", model="m", created=0,
+                                                    usage=Usage(4, 2, 0))

@@ -112,6 +112,12 @@ class ChatCompletionRequest:
     response_format: ResponseFormat | None = None
     grammar: str | None = None  # llama-server's: a GBNF grammar the output must follow
     return_progress: bool = False  # llama-server's: prompt_progress chunks while prefilling
+    timings_per_token: bool = False  # llama-server's: `timings` on every chunk of a stream
+    verbose: bool = False  # llama-server's: a `__verbose` object with the rendered prompt
+    # vLLM's and llama-server's; butter renders every prompt with the generation prompt,
+    # so only the defaults (true, false) are served.
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
     logprobs: bool | None = None
@@ -175,6 +181,23 @@ def _validate(request: ChatCompletionRequest) -> None:
         raise InvalidRequest("at most 16 stop sequences are supported", param="stop")
     _validate_tools(request)
     _validate_response_format(request.response_format)
+    _validate_continuation(request)
+
+
+def _validate_continuation(request: ChatCompletionRequest) -> None:
+    """Both true contradict each other (vLLM and llama-server refuse it too); either one
+    alone asks for a prompt butter does not render: one that stops without the
+    assistant's turn, or inside the last assistant message."""
+    if request.add_generation_prompt and request.continue_final_message:
+        raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
+                             "be true", param="continue_final_message")
+    if request.continue_final_message:
+        raise InvalidRequest("continue_final_message is not supported: the prompt always "
+                             "ends with a new assistant turn", param="continue_final_message")
+    if request.add_generation_prompt is False:
+        raise InvalidRequest("add_generation_prompt: false is not supported: the prompt "
+                             "always ends with a new assistant turn",
+                             param="add_generation_prompt")
 
 
 def _validate_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
@@ -529,9 +552,10 @@ def chunk_body(
 
 
 def usage_chunk_body(
-    *, completion_id: str, model: str, created: int, usage: Usage
+    *, completion_id: str, model: str, created: int, usage: Usage,
+    timings: Timings | None = None,
 ) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion.chunk",
         "created": created,
@@ -539,6 +563,33 @@ def usage_chunk_body(
         "choices": [],
         "usage": usage_body(usage),
     }
+    if timings is not None:  # (a stream's last chunk carries them, as llama-server's does)
+        body["timings"] = timings_body(timings)
+    return body
+
+
+def verbose_body(*, prompt: str, model: str, usage: Usage, timings: Timings,
+                 finish_reason: FinishReason, matched_stop: str | None,
+                 content: str | None = None) -> dict[str, Any]:
+    """llama-server's `__verbose` (`"verbose": true`): the first choice in its native
+    words, the prompt as the model saw it (special tokens written out) first among them.
+    `content`: the answer's text (None on a stream, which sent it already)."""
+    body: dict[str, Any] = {
+        "index": 0,
+        "prompt": prompt,
+        "model": model,
+        "stop": True,
+        "stop_type": ("limit" if finish_reason == "length"
+                      else "word" if matched_stop is not None else "eos"),
+        "stopping_word": matched_stop or "",
+        "tokens_predicted": usage.completion_tokens,
+        "tokens_evaluated": usage.prompt_tokens,
+        "truncated": False,  # (a prompt too long for the context is refused, never cut)
+        "timings": timings_body(timings),
+    }
+    if content is not None:
+        body["content"] = content
+    return body
 
 
 def now() -> int:

@@ -36,17 +36,31 @@ def _tool_call_body(call: ToolCall) -> dict[str, Any]:
 
 async def complete(
     resident: ResidentModel, prepared: PreparedGeneration,
-    observer: RequestObserver | None = None,
+    observer: RequestObserver | None = None, *, verbose_prompt: str | None = None,
 ) -> dict[str, Any]:
+    """The whole answer's body; `verbose_prompt` (the prompt's text, for `"verbose":
+    true`) adds llama-server's `__verbose`."""
     async with answering(resident, prepared, observer) as answer:
         choices: list[dict[str, Any]] = [{} for _ in answer.choices]
         async with trio.open_nursery() as nursery:
             for index, choice in enumerate(answer.choices):
                 nursery.start_soon(_collect, prepared, choice, index, choices)
-    return openai.completion_body(
+    body = openai.completion_body(
         completion_id=new_completion_id(), model=resident.model_id, created=openai.now(),
         choices=choices, usage=answer.usage, timings=answer.timings,
     )
+    if verbose_prompt is not None:
+        body["__verbose"] = _verbose(resident, answer.first, verbose_prompt,
+                                     content=choices[0]["message"]["content"] or "")
+    return body
+
+
+def _verbose(resident: ResidentModel, choice: Choice, prompt: str,
+             content: str | None = None) -> dict[str, Any]:
+    return openai.verbose_body(
+        prompt=prompt, model=resident.model_id, usage=choice.usage, timings=choice.timings,
+        finish_reason=choice.finish_reason, matched_stop=choice.matched_stop,
+        content=content)
 
 
 async def _collect(prepared: PreparedGeneration, choice: Choice, index: int,
@@ -81,21 +95,28 @@ class _Chunks:
         self.completion_id, self.created = new_completion_id(), openai.now()
 
     def chunk(self, delta: dict[str, Any], index: int, reason: FinishReason | None = None,
-              logprobs: LogprobsDelta | None = None, timings: Timings | None = None) -> bytes:
-        return data_event(openai.chunk_body(
+              logprobs: LogprobsDelta | None = None, timings: Timings | None = None,
+              verbose: dict[str, Any] | None = None) -> bytes:
+        body = openai.chunk_body(
             completion_id=self.completion_id, model=self.model_id, created=self.created,
             delta=delta, finish_reason=reason, index=index,
-            logprobs=None if logprobs is None else list(logprobs.entries), timings=timings,
-        ))
+            logprobs=None if logprobs is None else list(logprobs.entries), timings=timings)
+        if verbose is not None:
+            body["__verbose"] = verbose
+        return data_event(body)
 
-    def frame(self, event: AnswerEvent, index: int) -> Frame:
+    def frame(self, event: AnswerEvent, index: int, timings: Timings | None = None) -> Frame:
+        """An event's chunks; `timings` (llama-server's `timings_per_token`) on the last."""
         if isinstance(event, PromptProgress):
             return Flush(self.progress(event))
         if isinstance(event, Heartbeat):  # (a quiet spell: what waits goes out)
             return Flush(b"")
         if isinstance(event, LogprobsDelta):
-            return self.chunk({}, index, logprobs=event)
-        return b"".join(self.chunk(delta, index) for delta in _deltas(event))
+            return self.chunk({}, index, logprobs=event, timings=timings)
+        deltas = _deltas(event)
+        last = len(deltas) - 1
+        return b"".join(self.chunk(delta, index, timings=timings if at == last else None)
+                        for at, delta in enumerate(deltas))
 
     def progress(self, progress: PromptProgress) -> bytes:
         return data_event(openai.progress_chunk_body(
@@ -103,10 +124,10 @@ class _Chunks:
             total=progress.total, cache=progress.cached, processed=progress.processed,
             time_ms=progress.elapsed_ms))
 
-    def usage(self, usage: Usage) -> bytes:
+    def usage(self, usage: Usage, timings: Timings) -> bytes:
         return data_event(openai.usage_chunk_body(
             completion_id=self.completion_id, model=self.model_id, created=self.created,
-            usage=usage))
+            usage=usage, timings=timings))
 
     def failed(self, error: ButterError) -> bytes:
         return self.chunk({}, 0, "stop") + data_event(error.openai_body()) + DONE
@@ -115,23 +136,34 @@ class _Chunks:
 def stream(
     resident: ResidentModel, prepared: PreparedGeneration, *, include_usage: bool,
     flush_interval: float = 0.0, observer: RequestObserver | None = None,
-    return_progress: bool = False,
+    return_progress: bool = False, timings_per_token: bool = False,
+    verbose_prompt: str | None = None,
 ) -> AsyncIterator[bytes]:
+    """The answer as SSE chunks. `timings_per_token`: llama-server's `timings` on every
+    chunk after the first; `verbose_prompt`: its `__verbose` on each choice's last."""
     chunks = _Chunks(resident.model_id)
     frames = _frames(resident, prepared, chunks, include_usage=include_usage,
-                     observer=observer, return_progress=return_progress)
+                     observer=observer, return_progress=return_progress,
+                     timings_per_token=timings_per_token, verbose_prompt=verbose_prompt)
     return encoded(frames, flush_interval=flush_interval, failed=chunks.failed)
 
 
 async def _frames(
     resident: ResidentModel, prepared: PreparedGeneration, chunks: _Chunks, *,
     include_usage: bool, observer: RequestObserver | None, return_progress: bool,
+    timings_per_token: bool, verbose_prompt: str | None,
 ) -> AsyncGenerator[Frame, None]:
     async with answering(resident, prepared, observer) as answer:
         for index, choice in enumerate(answer.choices):
-            yield Flush(chunks.chunk({"role": "assistant", "content": ""}, index))
+            # (content null, as llama-server sends it: its clients and its tests read that)
+            yield Flush(chunks.chunk({"role": "assistant", "content": None}, index))
             # (the prompt is evaluated once, by the first choice)
             async for event in choice.events(progress=return_progress and index == 0):
-                yield chunks.frame(event, index)
-            yield chunks.chunk({}, index, choice.finish_reason, timings=choice.timings)
-    yield (chunks.usage(answer.usage) if include_usage else b"") + DONE
+                yield chunks.frame(event, index,
+                                   choice.timings if timings_per_token else None)
+            verbose = (None if verbose_prompt is None
+                       else _verbose(resident, choice, verbose_prompt))
+            yield chunks.chunk({}, index, choice.finish_reason, timings=choice.timings,
+                               verbose=verbose)
+    # The last chunk carries the answer's timings, as llama-server's does.
+    yield (chunks.usage(answer.usage, answer.timings) if include_usage else b"") + DONE
