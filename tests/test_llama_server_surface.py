@@ -184,10 +184,12 @@ def test_verbose_returns_the_prompt_as_the_model_saw_it(server: ServerProcess) -
     assert verbose["tokens_predicted"] == usage["completion_tokens"] == 3
     assert verbose["stop_type"] == "limit" and verbose["stopping_word"] == ""
     assert verbose["timings"]["predicted_n"] == 3
-    chunks = _chunks(server, {**body, "verbose": True})
-    (finish,) = [chunk for chunk in chunks if "__verbose" in chunk]
-    assert finish["choices"][0]["finish_reason"] == "length"
-    assert finish["__verbose"]["prompt"] == BOOK_PROMPT and "content" not in finish["__verbose"]
+    chunks = _chunks(server, {**body, "verbose": True, "n": 2})
+    finishes = [chunk for chunk in chunks if "__verbose" in chunk]  # each choice's last
+    assert [chunk["choices"][0]["finish_reason"] for chunk in finishes] == ["length"] * 2
+    assert [chunk["__verbose"]["index"] for chunk in finishes] == [0, 1]
+    assert all(chunk["__verbose"]["prompt"] == BOOK_PROMPT
+               and "content" not in chunk["__verbose"] for chunk in finishes)
 
 
 def test_verbose_says_which_stop_string_ended_the_answer(server: ServerProcess) -> None:

@@ -570,12 +570,12 @@ def usage_chunk_body(
 
 def verbose_body(*, prompt: str, model: str, usage: Usage, timings: Timings,
                  finish_reason: FinishReason, matched_stop: str | None,
-                 content: str | None = None) -> dict[str, Any]:
-    """llama-server's `__verbose` (`"verbose": true`): the first choice in its native
-    words, the prompt as the model saw it (special tokens written out) first among them.
-    `content`: the answer's text (None on a stream, which sent it already)."""
+                 content: str | None = None, index: int = 0) -> dict[str, Any]:
+    """llama-server's `__verbose` (`"verbose": true`): a choice in its native words, the
+    prompt as the model saw it (special tokens written out) first among them. `content`:
+    the answer's text (None on a stream, which sent it already)."""
     body: dict[str, Any] = {
-        "index": 0,
+        "index": index,
         "prompt": prompt,
         "model": model,
         "stop": True,

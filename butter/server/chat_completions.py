@@ -39,7 +39,7 @@ async def complete(
     observer: RequestObserver | None = None, *, verbose_prompt: str | None = None,
 ) -> dict[str, Any]:
     """The whole answer's body; `verbose_prompt` (the prompt's text, for `"verbose":
-    true`) adds llama-server's `__verbose`."""
+    true`) adds llama-server's `__verbose`, of the first choice."""
     async with answering(resident, prepared, observer) as answer:
         choices: list[dict[str, Any]] = [{} for _ in answer.choices]
         async with trio.open_nursery() as nursery:
@@ -55,12 +55,12 @@ async def complete(
     return body
 
 
-def _verbose(resident: ResidentModel, choice: Choice, prompt: str,
+def _verbose(resident: ResidentModel, choice: Choice, prompt: str, *, index: int = 0,
              content: str | None = None) -> dict[str, Any]:
     return openai.verbose_body(
         prompt=prompt, model=resident.model_id, usage=choice.usage, timings=choice.timings,
         finish_reason=choice.finish_reason, matched_stop=choice.matched_stop,
-        content=content)
+        content=content, index=index)
 
 
 async def _collect(prepared: PreparedGeneration, choice: Choice, index: int,
@@ -162,7 +162,7 @@ async def _frames(
                 yield chunks.frame(event, index,
                                    choice.timings if timings_per_token else None)
             verbose = (None if verbose_prompt is None
-                       else _verbose(resident, choice, verbose_prompt))
+                       else _verbose(resident, choice, verbose_prompt, index=index))
             yield chunks.chunk({}, index, choice.finish_reason, timings=choice.timings,
                                verbose=verbose)
     # The last chunk carries the answer's timings, as llama-server's does.
