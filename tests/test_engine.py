@@ -18,6 +18,7 @@ from butter.backends.base import Backend, KvOp, RemoveTokens, SeqWork, StepResul
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.engine.engine import Engine, _wait_for
 from butter.engine.generation import Generation
+from butter.errors import InvalidRequest
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -452,3 +453,12 @@ async def test_prompts_prefilled_together_are_cut_to_the_backends_tiles(
     else:  # llama.cpp on the CPU: whole 64-row flash-attention tiles
         assert resident.backend.prompt_tile == 64
         assert going_on and all(size % 64 == 0 for size in going_on)
+
+
+async def test_a_prompt_of_no_tokens_is_refused_and_holds_nothing(engine: Engine) -> None:
+    # Nothing to evaluate means no logits to sample from: admitted, it would wait forever.
+    with pytest.raises(InvalidRequest, match="no tokens"):
+        async with engine.generate([], SamplingParams(temperature=0.0), 4):
+            pass
+    stats = engine.stats()
+    assert stats.active == 0 and stats.queued == 0 and stats.reserved_cells == 0

@@ -41,7 +41,7 @@ from butter.engine.host_cache import HostEntry
 from butter.engine.prefix_cache import PrefixCache
 from butter.engine.stats import EngineStats, StepTimes, Totals
 from butter.engine.step_plan import PendingWork, PrefillBudget, plan_step
-from butter.errors import ContextLengthExceeded
+from butter.errors import ContextLengthExceeded, InvalidRequest
 from butter.kv import KvWindow
 from butter.sampling import SamplingParams
 
@@ -138,6 +138,8 @@ class Engine:
         once its prompt is in the cache and share it from there (seq_cp), each then
         evaluating just the prompt's last token. `prompt_top_logprobs`: score the prompt
         (each token's logprob with this many alternatives). Always released."""
+        if not prompt:  # (nothing to evaluate: it would hold its sequence forever)
+            raise InvalidRequest("the prompt has no tokens", param="prompt")
         limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
         reserve = limit if max_tokens is not None else min(limit, RESERVATION_STEP)
         cells = len(prompt) + reserve
