@@ -1,6 +1,6 @@
 """What llama.cpp's own server tests ask of a chat server beyond OpenAI's and Anthropic's
 APIs (benchmarks/llama_server_tests.py runs that suite): `timings_per_token`, the chat
-prompt's token count, `add_generation_prompt` against `continue_final_message`,
+prompt's token count, `add_generation_prompt` and `continue_final_message`,
 `verbose`, `return_progress` on a cache hit, and an Anthropic request with no messages.
 Each on the wire, against `butter serve` on the SmolLM2 instruct model, through the
 official SDKs where they can say it."""
@@ -130,24 +130,81 @@ def test_input_tokens_counts_a_prompt_too_long_to_serve(server: ServerProcess,
 
 # ---------------------------------------------------------------- the continuation fields
 
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"add_generation_prompt": True, "continue_final_message": True},
-     "continue_final_message"),
-    ({"continue_final_message": True}, "continue_final_message"),
-    ({"add_generation_prompt": False, "continue_final_message": True},
-     "continue_final_message"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
+PREFILLED = [{"role": "system", "content": "Geography"},
+             {"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+# SmolLM2's ChatML, with the final assistant message left open.
+PREFILLED_PROMPT = ("<|im_start|>system\nGeography<|im_end|>\n"
+                    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                    "<|im_start|>assistant\nThe capital of France is")
+
+
+@pytest.mark.parametrize(("fields", "messages"), [
+    ({"add_generation_prompt": True, "continue_final_message": True}, PREFILLED),
+    ({"add_generation_prompt": False, "continue_final_message": True}, PREFILLED[:2]),
+    ({"continue_final_message": True}, [*PREFILLED, {"role": "user", "content": "Hi"}]),
 ])
-def test_prompts_butter_does_not_render_are_refused(
-        client: openai.OpenAI, fields: dict[str, bool], param: str) -> None:
-    """Both at once contradict each other (llama-server and vLLM answer 400 too); either
-    alone asks for a prompt without the assistant's new turn, which butter never renders:
-    refused, not silently served with one."""
-    messages: Any = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+def test_continuations_that_cannot_be_served_are_refused(
+        client: openai.OpenAI, fields: dict[str, bool], messages: Any) -> None:
+    """Both at once contradict each other (llama-server and vLLM answer 400 too); a final
+    message that is not the assistant's has nothing to continue."""
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=INSTRUCT_MODEL, messages=messages,
                                        max_tokens=2, extra_body=fields)
-    assert isinstance(refused.value.body, dict) and refused.value.body["param"] == param
+    assert isinstance(refused.value.body, dict)
+    assert refused.value.body["param"] == "continue_final_message"
+    assert "continue_final_message" in refused.value.body["message"]
+
+
+def _verbose(server: ServerProcess, body: dict[str, Any]) -> dict[str, Any]:
+    reply = httpx.post(f"{server.api}/chat/completions", timeout=60, json={
+        "model": INSTRUCT_MODEL, "temperature": 0, "verbose": True, **body})
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+@pytest.mark.parametrize("fields", [
+    {"add_generation_prompt": False, "continue_final_message": True},
+    {"continue_final_message": True},  # add_generation_prompt then defaults to false
+])
+def test_continue_final_message_continues_the_assistants_text(
+        server: ServerProcess, fields: dict[str, bool]) -> None:
+    """The prompt ends inside the final assistant message (no end of turn), and the answer
+    is only the new text, which the greedy model writes as the sentence's end; /tokenize
+    with the same body counts the same prompt."""
+    body = {"messages": PREFILLED, "max_tokens": 8, **fields}
+    reply = _verbose(server, body)
+    assert reply["__verbose"]["prompt"] == PREFILLED_PROMPT
+    content = reply["choices"][0]["message"]["content"]
+    assert "Paris" in content and not content.startswith("The capital")
+    fresh = _verbose(server, {"messages": PREFILLED[:2], "max_tokens": 8})
+    assert fresh["choices"][0]["message"]["content"] != content
+    counted = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=60).json()
+    assert counted["count"] == reply["usage"]["prompt_tokens"]
+
+
+def test_a_continued_open_think_block_continues_as_reasoning(server: ServerProcess) -> None:
+    """A final assistant message inside a <think> block it has not closed: the model's
+    continuation is reasoning (until it closes the block), not the answer's content."""
+    thinking = [*PREFILLED[:2], {"role": "assistant",
+                                 "content": "<think>\nThe capital of France is"}]
+    reply = _verbose(server, {"messages": thinking, "max_tokens": 8,
+                              "continue_final_message": True})
+    assert reply["__verbose"]["prompt"].endswith("assistant\n<think>\nThe capital of France is")
+    message = reply["choices"][0]["message"]
+    assert "Paris" in message["reasoning_content"] and not message["content"]
+
+
+def test_without_the_generation_prompt_the_prompt_ends_after_the_last_message(
+        server: ServerProcess) -> None:
+    body = {"messages": BOOK, "max_tokens": 2, "add_generation_prompt": False}
+    reply = _verbose(server, body)
+    assert reply["__verbose"]["prompt"] == BOOK_PROMPT.removesuffix("<|im_start|>assistant\n")
+    counted = httpx.post(f"{server.base_url}/tokenize", json=body, timeout=60).json()
+    assert counted["count"] == reply["usage"]["prompt_tokens"]
+    whole = httpx.post(f"{server.base_url}/tokenize", json={"messages": BOOK},
+                       timeout=60).json()
+    assert whole["count"] > counted["count"]
 
 
 def test_the_continuation_fields_at_their_defaults_are_served(client: openai.OpenAI) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -240,3 +241,62 @@ def test_safe_does_not_html_escape_the_text_joined_to_it() -> None:
     template = ChatTemplate(TemplateChoice(source, "x"), bos_token="", eos_token="")
     assert template.render([{"role": "user", "content": 'say "<hi>" & go'}]) == (
         'Use: say "<hi>" & go [{"role": "user", "content": "say \\"<hi>\\" & go"}]')
+
+
+# ---------------------------------------------------------------- continue_final_message
+
+PREFILLED = [{"role": "user", "content": "Capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+
+
+@pytest.mark.parametrize("name", BUILTIN_TEMPLATES)
+def test_continue_final_message_ends_the_prompt_inside_it(name: str) -> None:
+    """The text stops right after the final assistant message's content: no end of turn,
+    no new turn, and everything before it as the template renders it."""
+    template = _template(name, bos="<s>", eos="</s>")
+    closed = template.render(PREFILLED, add_generation_prompt=False)
+    text = template.render(PREFILLED, add_generation_prompt=False,
+                           continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    assert closed.startswith(text) and len(closed) > len(text)
+
+
+def test_continue_final_message_on_chatml_and_its_trailing_space() -> None:
+    template = _template("chatml")
+    assert template.render(PREFILLED, add_generation_prompt=False,
+                           continue_final_message=True) == (
+        "<|im_start|>user\nCapital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nThe capital of France is")
+    # ChatML keeps the content as it came, trailing space included (HF's rule: kept where
+    # the template kept it).
+    spaced = [PREFILLED[0], {"role": "assistant", "content": "The capital is "}]
+    assert template.render(spaced, add_generation_prompt=False,
+                           continue_final_message=True).endswith("assistant\nThe capital is ")
+
+
+def test_continue_final_message_where_the_template_trims_the_content() -> None:
+    trimming = ChatTemplate(TemplateChoice(
+        "{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}[/]{% endfor %}",
+        "trimming"), bos_token="", eos_token="")
+    spaced = [PREFILLED[0], {"role": "assistant", "content": " The capital is \n"}]
+    assert trimming.render(spaced, add_generation_prompt=False,
+                           continue_final_message=True) == (
+        "[user]Capital of France?[/][assistant]The capital is")
+
+
+def test_continue_final_message_refusals() -> None:
+    template = _template("chatml")
+    upper = ChatTemplate(TemplateChoice(
+        "{% for m in messages %}{{ m.content | upper }}|{% endfor %}", "upper"),
+        bos_token="", eos_token="")
+    cases: list[tuple[ChatTemplate, list[dict[str, Any]], bool]] = [
+        (template, PREFILLED, True),  # with add_generation_prompt
+        (template, PREFILLED[:1], False),  # the final message is the user's
+        (template, [PREFILLED[0], {"role": "assistant", "content": " "}], False),  # empty
+        (upper, PREFILLED, False),  # the template changes the content
+    ]
+    for chat_template, messages, generation_prompt in cases:
+        with pytest.raises(InvalidRequest) as refused:
+            chat_template.render(messages, add_generation_prompt=generation_prompt,
+                                 continue_final_message=True)
+        assert refused.value.param == "continue_final_message"

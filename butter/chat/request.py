@@ -22,6 +22,11 @@ class ChatPrompt:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None  # offered to the template; None: none offered
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    # False: the prompt ends after the last message, with no new assistant turn.
+    add_generation_prompt: bool = True
+    # True: the final (assistant) message is left open, so the model continues its
+    # content (needs add_generation_prompt false; HF's and vLLM's field).
+    continue_final_message: bool = False
 
 
 @attrs.frozen

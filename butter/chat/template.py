@@ -228,17 +228,24 @@ class ChatTemplate:
         *,
         tools: list[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text, with the messages rewritten into what this template renders
         (butter/chat/polyfill.py): system messages after the first position stay in place
-        where the template renders them, else they are folded into the next user turn."""
+        where the template renders them, else they are folded into the next user turn.
+
+        `continue_final_message`: the final assistant message is left open (the text
+        ends right after its content), so the model continues it."""
+        final = (final_message_content(messages, add_generation_prompt)
+                 if continue_final_message else None)
         tools = without_null_fields(tools)
         if tools and not self.renders_tools:
             messages = with_tools_preamble(messages, tools)
             tools = None
         messages, tools = adapt(messages, tools, self.capabilities)
-        return self._render(messages, tools, add_generation_prompt, template_kwargs)
+        text = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        return text if final is None else cut_after(text, final)
 
     def _render(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -266,6 +273,45 @@ class ChatTemplate:
             "functions": _tojson(tools, indent=2) if tools else "",
             "datetime": datetime.now().strftime("%b %d %Y"),
         }
+
+
+def final_message_content(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    """The content that continue_final_message continues: the final message's, which
+    must be the assistant's and not empty."""
+    if add_generation_prompt:
+        raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
+                             "be true: set add_generation_prompt to false to continue the "
+                             "final message", param="continue_final_message")
+    if not messages or messages[-1].get("role") != "assistant":
+        raise InvalidRequest("continue_final_message needs the final message to be the "
+                             "assistant's (the message the model continues)",
+                             param="continue_final_message")
+    content = messages[-1].get("content")
+    if isinstance(content, list):  # text parts: the last one is continued (as HF's)
+        texts = [part.get("text") for part in content if isinstance(part, dict)]
+        content = next((text for text in reversed(texts) if isinstance(text, str)), None)
+    if not isinstance(content, str) or not content.strip():
+        raise InvalidRequest("continue_final_message needs the final assistant message to "
+                             "have text content to continue", param="continue_final_message")
+    return content
+
+
+def cut_after(text: str, content: str) -> str:
+    """`text` up to the end of the last occurrence of `content` (HF transformers'
+    continue_final_message): what the template writes after the final message (its
+    end-of-turn, a new turn) is dropped. Its trailing whitespace is kept only where the
+    template kept it."""
+    stripped = content.strip()
+    where = text.rfind(stripped)
+    if where < 0:
+        raise InvalidRequest(
+            "continue_final_message: the final message's content does not appear in the "
+            "prompt that the chat template renders (the template changes it), so the "
+            "prompt cannot end inside it", param="continue_final_message")
+    kept = content.lstrip()
+    if text[where:where + len(kept)] == kept:
+        return text[:where + len(kept)]
+    return text[:where + len(stripped)]
 
 
 def tools_preamble(tools: list[dict[str, Any]]) -> str:

@@ -11,8 +11,9 @@ from typing import Any
 import attrs
 
 from butter.backends.base import BackendError
-from butter.chat.markup import THINK_OPEN
+from butter.chat.markup import THINK_CLOSE, THINK_OPEN
 from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
+from butter.chat.template import final_message_content
 from butter.chat.tool_calls import TOOL_CALL, CallSyntax
 from butter.errors import ContextLengthExceeded, InvalidRequest, ModelReplaced
 from butter.pipeline.resident import ResidentModel
@@ -40,7 +41,8 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
         if isinstance(request.prompt, ChatPrompt):
             text = render(resident, request.prompt)
             prepared = prepare_tokens(resident, request, resident.tokenize_prompt(text),
-                                      starts_in_reasoning=text.rstrip().endswith(THINK_OPEN))
+                                      starts_in_reasoning=starts_in_reasoning(
+                                          request.prompt, text))
             return attrs.evolve(prepared, bare_json_calls=(
                 resident.template.capabilities.bare_json_calls
                 and resident.template.renders_tools),
@@ -113,8 +115,20 @@ def checked_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
 def render(resident: ResidentModel, prompt: ChatPrompt) -> str:
     return resident.template.render(
         prompt.messages, tools=prompt.tools,
+        add_generation_prompt=prompt.add_generation_prompt,
+        continue_final_message=prompt.continue_final_message,
         template_kwargs={**resident.template_defaults, **prompt.template_kwargs},
     )
+
+
+def starts_in_reasoning(prompt: ChatPrompt, text: str) -> bool:
+    """Whether the answer starts inside a <think> block: the template opened one at the
+    end of the prompt, or the continued final message is inside one (it opened a block
+    it has not closed), so the model's continuation is reasoning until it closes it."""
+    if prompt.continue_final_message:
+        content = final_message_content(prompt.messages, prompt.add_generation_prompt)
+        return content.rfind(THINK_OPEN) > content.rfind(THINK_CLOSE)
+    return text.rstrip().endswith(THINK_OPEN)
 
 
 def prepare_tokens(

@@ -114,8 +114,9 @@ class ChatCompletionRequest:
     return_progress: bool = False  # llama-server's: prompt_progress chunks while prefilling
     timings_per_token: bool = False  # llama-server's: `timings` on every chunk of a stream
     verbose: bool = False  # llama-server's: a `__verbose` object with the rendered prompt
-    # vLLM's and llama-server's; butter renders every prompt with the generation prompt,
-    # so only the defaults (true, false) are served.
+    # vLLM's and llama-server's. add_generation_prompt false: the prompt ends after the
+    # last message. continue_final_message: the final assistant message is left open for
+    # the model to continue (add_generation_prompt then defaults to false; both true: 400).
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -185,19 +186,18 @@ def _validate(request: ChatCompletionRequest) -> None:
 
 
 def _validate_continuation(request: ChatCompletionRequest) -> None:
-    """Both true contradict each other (vLLM and llama-server refuse it too); either one
-    alone asks for a prompt butter does not render: one that stops without the
-    assistant's turn, or inside the last assistant message."""
-    if request.add_generation_prompt and request.continue_final_message:
+    """Both true contradict each other (vLLM and llama-server refuse it too); continuing
+    needs a final assistant message to continue."""
+    if not request.continue_final_message:
+        return
+    if request.add_generation_prompt:
         raise InvalidRequest("add_generation_prompt and continue_final_message cannot both "
-                             "be true", param="continue_final_message")
-    if request.continue_final_message:
-        raise InvalidRequest("continue_final_message is not supported: the prompt always "
-                             "ends with a new assistant turn", param="continue_final_message")
-    if request.add_generation_prompt is False:
-        raise InvalidRequest("add_generation_prompt: false is not supported: the prompt "
-                             "always ends with a new assistant turn",
-                             param="add_generation_prompt")
+                             "be true: set add_generation_prompt to false to continue the "
+                             "final message", param="continue_final_message")
+    if request.messages[-1].role != "assistant":
+        raise InvalidRequest("continue_final_message needs the final message to be the "
+                             "assistant's (the message the model continues); it is the "
+                             f"{request.messages[-1].role}'s", param="continue_final_message")
 
 
 def _validate_logprobs(logprobs: bool | None, top_logprobs: int | None) -> None:
@@ -390,8 +390,13 @@ def generation_request(
     """What the pipeline runs for this request; `prompt` replaces the messages (the
     library completes raw text with the chat request's other fields)."""
     if prompt is None:
+        continued = bool(request.continue_final_message)
         prompt = ChatPrompt(template_messages(request), tools=template_tools(request),
-                            template_kwargs=template_kwargs(request))
+                            template_kwargs=template_kwargs(request),
+                            add_generation_prompt=(not continued
+                                                   if request.add_generation_prompt is None
+                                                   else request.add_generation_prompt),
+                            continue_final_message=continued)
     sampling = attrs.evolve(
         sampling_params(request), grammar=output_constraint(request),
         logit_bias=logit_bias(request.logit_bias),

@@ -21,8 +21,9 @@ routes = Blueprint("tokenizer", __name__)
 @routes.post("/tokenize")
 async def tokenize() -> Response:
     """`prompt` (or `content`) as text, or `messages` as the prompt that a chat request
-    with the same body would have: its `tools`, `chat_template_kwargs` and
-    `reasoning_effort` included (vLLM's /tokenize renders them too)."""
+    with the same body would have: its `tools`, `chat_template_kwargs`,
+    `reasoning_effort`, `add_generation_prompt` and `continue_final_message` included
+    (vLLM's /tokenize renders them too)."""
     body = await json_body()
     tokenize_request = tokenizer_wire.parse_tokenize_request(body)
     chat = _chat_prompt(body) if tokenize_request.messages is not None else None
