@@ -152,15 +152,13 @@ def test_logit_bias_minus_100_bans_and_developer_is_system() -> None:
     ({"add_generation_prompt": True, "continue_final_message": True},
      "continue_final_message"),
     ({"continue_final_message": True}, "continue_final_message"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
     ({"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ({"timings_per_token": 1}, "timings_per_token"),
     ({"verbose": "true"}, "verbose"),
 ])
 def test_llama_servers_fields_are_checked(fields: dict[str, object], param: str) -> None:
-    """add_generation_prompt and continue_final_message together contradict each other;
-    butter renders neither alone (every prompt ends with the assistant's new turn); the
-    flags are booleans."""
+    """add_generation_prompt and continue_final_message may not both be true;
+    continue_final_message needs a final assistant message; the flags are booleans."""
     with pytest.raises(InvalidRequest) as refused:
         openai.parse_chat_request({"messages": [USER], **fields})
     assert refused.value.param == param
