@@ -46,7 +46,9 @@ class PromptProgress:
 
 
 # What a choice yields: its output, the logprobs of the tokens behind it, keep-alives and
-# prompt progress (each only where asked for).
+# prompt progress (each only where asked for). A LogprobsDelta comes just before the event
+# it goes with (a stream puts both on one chunk); one after the last event goes with the
+# finish (Choice.events says which tokens ride where).
 AnswerEvent = Event | LogprobsDelta | Heartbeat | PromptProgress
 
 
@@ -69,22 +71,33 @@ class Choice:
         self._assembler = OutputAssembler(prepared, call_id_prefix=call_id_prefix)
         self._observer = observer
         self._reported = -1  # the last progress reported (processed positions)
+        self._scored = prepared.params.logprobs is not None  # the request asked for logprobs
 
     async def events(self, *, heartbeat: float | None = None,
                      progress: bool = False) -> AsyncIterator[AnswerEvent]:
-        """Output events, then the logprobs of their tokens (when the request asked); read
-        once. `heartbeat`: a Heartbeat whenever that many seconds pass with no output.
+        """Output events and, when the request asked, the logprobs of their tokens; read
+        once. Each LogprobsDelta comes just before the event it goes with: the last event
+        of the step (the engine's batch of tokens) that made those tokens. A step whose
+        text is all held back (part of a UTF-8 character, what may begin a stop string or
+        markup) passes its logprobs on to the next event; those left after the last event
+        (the end token, a matched stop string) come last, for the finish.
+        `heartbeat`: a Heartbeat whenever that many seconds pass with no output.
         `progress`: PromptProgress while the prompt is evaluated, as llama-server reports
         it: first once the prompt has its session (its cached part known, `processed`
         equal to it), then each advance (looked at every PROGRESS_POLL_SECONDS, a
         Heartbeat when none), and the whole prompt before the first output."""
         reporting = progress
+        held: Event | None = None  # the step's last event so far: its logprobs follow it
+        carried: list[Logprobs] = []  # logprobs not yet paired with an event
         output = generated_events(
             self._generation, self._assembler, observer=self._observer,
             heartbeat=PROGRESS_POLL_SECONDS if progress else heartbeat)
         async with aclosing(output):
             async for event in output:
                 if event is None:
+                    if held is not None:  # (a step without logprobs: it goes out now)
+                        yield held
+                        held = None
                     reports = self._reports(evaluated=False) if reporting else []
                     for report in reports:
                         yield report
@@ -95,10 +108,28 @@ class Choice:
                     reporting = False
                     for report in self._reports(evaluated=True):
                         yield report
-                yield event
+                if not self._scored:
+                    yield event
+                elif isinstance(event, LogprobsDelta):  # (the end of a step)
+                    carried.extend(event.entries)
+                    if held is not None:
+                        yield LogprobsDelta(tuple(carried))
+                        yield held
+                        held, carried = None, []
+                else:
+                    if held is not None:
+                        yield held
+                    held = event
+        if held is not None:  # (the answer's last event: what it finished with)
+            if carried:
+                yield LogprobsDelta(tuple(carried))
+                carried = []
+            yield held
         if reporting and self._generation.prompt_evaluated:  # (it output no text at all)
             for report in self._reports(evaluated=True):
                 yield report
+        if carried:
+            yield LogprobsDelta(tuple(carried))
 
     async def whole(self) -> OutputBlocks:
         """Every event, put together (the answer's blocks and logprobs), once it ended."""

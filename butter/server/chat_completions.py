@@ -15,7 +15,7 @@ import trio
 from butter.chat.markup import ContentDelta, Event, ReasoningDelta, ToolCall
 from butter.chat.request import FinishReason, Timings, Usage
 from butter.errors import ButterError
-from butter.pipeline.answer import AnswerEvent, Choice, Heartbeat, PromptProgress, answering
+from butter.pipeline.answer import Choice, Heartbeat, PromptProgress, answering
 from butter.pipeline.output import LogprobsDelta
 from butter.pipeline.prepare import PreparedGeneration
 from butter.pipeline.resident import ResidentModel
@@ -105,17 +105,18 @@ class _Chunks:
             body["__verbose"] = verbose
         return data_event(body)
 
-    def frame(self, event: AnswerEvent, index: int, timings: Timings | None = None) -> Frame:
-        """An event's chunks; `timings` (llama-server's `timings_per_token`) on the last."""
+    def frame(self, event: Event | Heartbeat | PromptProgress, index: int,
+              timings: Timings | None = None, logprobs: LogprobsDelta | None = None) -> Frame:
+        """An event's chunks; on the last, `logprobs` (of the tokens whose output it ends,
+        as llama-server pairs them) and `timings` (llama-server's `timings_per_token`)."""
         if isinstance(event, PromptProgress):
             return Flush(self.progress(event))
         if isinstance(event, Heartbeat):  # (a quiet spell: what waits goes out)
             return Flush(b"")
-        if isinstance(event, LogprobsDelta):
-            return self.chunk({}, index, logprobs=event, timings=timings)
         deltas = _deltas(event)
         last = len(deltas) - 1
-        return b"".join(self.chunk(delta, index, timings=timings if at == last else None)
+        return b"".join(self.chunk(delta, index, timings=timings if at == last else None,
+                                   logprobs=logprobs if at == last else None)
                         for at, delta in enumerate(deltas))
 
     def progress(self, progress: PromptProgress) -> bytes:
@@ -157,13 +158,21 @@ async def _frames(
         for index, choice in enumerate(answer.choices):
             # (content null, as llama-server sends it: its clients and its tests read that)
             yield Flush(chunks.chunk({"role": "assistant", "content": None}, index))
+            # Logprobs ride on the chunk of the event they come just before (the same
+            # chunk as their tokens' text), the ones left at the end on the finish chunk.
+            logprobs: LogprobsDelta | None = None
             # (the prompt is evaluated once, by the first choice)
             async for event in choice.events(progress=return_progress and index == 0):
+                if isinstance(event, LogprobsDelta):
+                    logprobs = event
+                    continue
                 yield chunks.frame(event, index,
-                                   choice.timings if timings_per_token else None)
+                                   choice.timings if timings_per_token else None, logprobs)
+                if not isinstance(event, Heartbeat | PromptProgress):
+                    logprobs = None
             verbose = (None if verbose_prompt is None
                        else _verbose(resident, choice, verbose_prompt, index=index))
             yield chunks.chunk({}, index, choice.finish_reason, timings=choice.timings,
-                               verbose=verbose)
+                               verbose=verbose, logprobs=logprobs)
     # The last chunk carries the answer's timings, as llama-server's does.
     yield (chunks.usage(answer.usage, answer.timings) if include_usage else b"") + DONE

@@ -145,25 +145,32 @@ async def _choice_frames(
     prepared: PreparedGeneration, answer: Answer, choice: Choice, chunks: _Chunks,
     index: int, echo: bool,
 ) -> AsyncGenerator[Frame, None]:
-    """One choice's chunks: the echoed prompt (once its scores are known), the text and
-    its logprobs, the finish reason."""
+    """One choice's chunks: the echoed prompt (once its scores are known), the text with
+    the logprobs of the tokens it ends (those left at the end on the finish chunk), the
+    finish reason."""
     written = len(_echo(prepared, echo))
     logged = written  # where the tokens of the next logprobs begin
     echoed = not echo
+    logprobs: LogprobsDelta | None = None  # (they go with the next text)
+
+    def scored() -> dict[str, Any] | None:
+        return None if logprobs is None else wire.logprobs_body(list(logprobs.entries),
+                                                                logged)
+
     async for event in choice.events():
         if not echoed:  # (the prompt's scores are known from here on)
             echoed = True
             yield Flush(_echo_chunk(chunks, index, prepared, answer))
         if isinstance(event, LogprobsDelta):
-            yield chunks.chunk(index, "", logprobs=wire.logprobs_body(list(event.entries),
-                                                                      logged))
-            logged = written
+            logprobs = event
         elif isinstance(event, ContentDelta):
-            yield chunks.chunk(index, event.text)
+            yield chunks.chunk(index, event.text, logprobs=scored())
             written += len(event.text)
+            if logprobs is not None:
+                logged, logprobs = written, None
     if not echoed:
         yield _echo_chunk(chunks, index, prepared, answer)
-    yield chunks.chunk(index, "", choice.finish_reason)
+    yield chunks.chunk(index, "", choice.finish_reason, logprobs=scored())
 
 
 def _echo_chunk(chunks: _Chunks, index: int, prepared: PreparedGeneration,
