@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from butter.testing.tiny_gguf import write_tiny_mamba_gguf, write_tiny_qwen3_gguf
+from butter.testing.tiny_hybrid import write_tiny_qwen35_gguf
 
 # mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
@@ -43,6 +44,12 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_mamba_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A recurrent model: random-weight Mamba with the tiny tokenizer."""
     return write_tiny_mamba_gguf(tmp_path_factory.mktemp("mamba") / "tiny-mamba.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight hybrid Qwen3.5 (gated delta-net layers, full attention every 4th)."""
+    return write_tiny_qwen35_gguf(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35.gguf")
 
 
 def quantized_tiny_gguf(folder: Path, ftype: int, name: str) -> Path:

@@ -1,0 +1,148 @@
+"""The tiny hybrid Qwen3.5 on the real llama.cpp, and the claims of
+docs/design/hybrid-checkpoints-plan.md (#51) that butter's context checkpoints would rest
+on: a PARTIAL_ONLY state save is the recurrent state alone (its size does not grow with
+the sequence), and restoring it lets a partial `llama_memory_seq_rm` cut the attention
+cache, after which a different continuation computes what a fresh sequence computes."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import llama_cpp as ll
+import numpy as np
+import pytest
+
+from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.llama_cpp import LlamaCppBackend
+from butter.sampling import SamplingParams
+from butter.testing.tiny_hybrid import recurrent_state_floats
+from tests.backend_steps import generate_greedy
+
+T = TypeVar("T")
+
+PARTIAL = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+PROMPT = ("The quick brown fox jumps over the lazy dog. The dog did not mind; it was "
+          "asleep in the sun, dreaming of the 3 bones it had buried.")
+OTHER = " Hello! How are you today? I'm fine, thank you."
+# The tiny shape's PARTIAL_ONLY checkpoint, measured: 3 delta-net layers of
+# (n_embd_r + n_embd_s) = (768 + 4096) f32, plus 24 B of headers per layer and 28 B more,
+# as the plan's formula says (see its "Verified" section).
+CHECKPOINT_BYTES = 58_468
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_qwen35_gguf: Path) -> Iterator[LlamaCppBackend]:
+    model = LlamaCppBackend(tiny_qwen35_gguf, n_cells=256, n_seq=2, n_batch=64, threads=2)
+    yield model
+    model.close()
+
+
+def _on_thread(backend: LlamaCppBackend, fn: Callable[[], T]) -> T:
+    """Run a llama.cpp call on the backend's own thread, where its steps run."""
+    return backend._worker.call(fn)
+
+
+def _save(backend: LlamaCppBackend, seq: int, flags: int) -> bytes:
+    def save() -> bytes:
+        ctx = backend.model.ctx
+        size = int(ll.llama_state_seq_get_size_ext(ctx, seq, flags))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(ll.llama_state_seq_get_data_ext(ctx, buffer, size, seq, flags))
+        assert written == size
+        return ctypes.string_at(buffer, written)
+    return _on_thread(backend, save)
+
+
+def _load(backend: LlamaCppBackend, data: bytes, seq: int, flags: int) -> int:
+    def load() -> int:
+        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))
+        return int(ll.llama_state_seq_set_data_ext(backend.model.ctx, source, len(data),
+                                                   seq, flags))
+    return _on_thread(backend, load)
+
+
+def _seq_rm(backend: LlamaCppBackend, seq: int, start: int, end: int) -> bool:
+    return _on_thread(backend, lambda: bool(ll.llama_memory_seq_rm(backend.model.mem, seq,
+                                                                     start, end)))
+
+
+def _pos_max(backend: LlamaCppBackend, seq: int) -> int:
+    return _on_thread(backend, lambda: int(ll.llama_memory_seq_pos_max(backend.model.mem, seq)))
+
+
+def _evaluate(backend: LlamaCppBackend, seq: int, tokens: list[int], start: int) -> Any:
+    """Evaluate `tokens` of `seq` from position `start` in one step; the last one's logits."""
+    backend.step([SetSampler(seq, SamplingParams(temperature=0))],
+                 [SeqWork(seq, tuple(tokens), start, sample=True, prompt=True)])
+    return np.asarray(backend.step_logits(len(tokens) - 1))
+
+
+def _clear(backend: LlamaCppBackend) -> None:
+    backend.step([RemoveTokens(0, -1, -1), RemoveTokens(1, -1, -1)], [])
+
+
+def test_the_tiny_qwen35_loads_as_a_hybrid_and_decodes_deterministically(
+    backend: LlamaCppBackend,
+) -> None:
+    assert _on_thread(backend, lambda: bool(ll.llama_model_is_hybrid(backend.model.model)))
+    assert not _on_thread(backend,
+                          lambda: bool(ll.llama_model_is_recurrent(backend.model.model)))
+    assert backend.info.is_recurrent  # butter's flag: recurrent or hybrid
+    assert backend.rewind_limit == 1
+    first, logits = generate_greedy(backend, [PROMPT], 12)
+    again, logits_again = generate_greedy(backend, [PROMPT], 12)
+    assert first == again
+    assert np.array_equal(logits, logits_again)
+    assert len(set(first[0])) > 3  # random weights, but not stuck on one token
+
+
+def test_a_partial_checkpoint_is_the_recurrent_state_alone(backend: LlamaCppBackend) -> None:
+    tokens = backend.tokenize(PROMPT, add_bos=False)
+    _clear(backend)
+    partial: dict[int, int] = {}
+    full: dict[int, int] = {}
+    position = 0
+    for n in (4, len(tokens) // 2, len(tokens)):
+        _evaluate(backend, 0, tokens[position:n], position)
+        position = n
+        partial[n] = len(_save(backend, 0, PARTIAL))
+        full[n] = len(_save(backend, 0, ll.LLAMA_STATE_SEQ_FLAGS_NONE))
+    assert set(partial.values()) == {CHECKPOINT_BYTES}
+    assert CHECKPOINT_BYTES == 4 * recurrent_state_floats() + 3 * 24 + 28
+    sizes = [full[n] for n in sorted(full)]
+    assert sizes == sorted(set(sizes))  # the whole state grows with the attention KV
+
+
+def test_restoring_a_checkpoint_lets_the_hybrid_cut_back_exactly(
+    backend: LlamaCppBackend,
+) -> None:
+    """llama-server's order: save after k tokens, go on to n; to branch at k, restore the
+    checkpoint, then seq_rm(k, -1) on the whole hybrid memory."""
+    tokens = backend.tokenize(PROMPT, add_bos=False)
+    other = backend.tokenize(OTHER, add_bos=False)
+    k, n = len(tokens) // 2, len(tokens)
+    _clear(backend)
+    _evaluate(backend, 0, tokens[:k], 0)
+    checkpoint = _save(backend, 0, PARTIAL)
+    _evaluate(backend, 0, tokens[k:], k)
+
+    assert not _seq_rm(backend, 0, k, -1)  # the recurrent part refuses a partial cut...
+    assert _pos_max(backend, 0) == n - 1  # ...and nothing was removed
+    assert _load(backend, checkpoint, 0, PARTIAL) == len(checkpoint)
+    assert _seq_rm(backend, 0, k, -1)
+    assert _pos_max(backend, 0) == k - 1
+    branched = _evaluate(backend, 0, other, k)
+
+    _evaluate(backend, 1, tokens[:k], 0)  # a fresh sequence, in the same chunks
+    fresh = _evaluate(backend, 1, other, k)
+    assert branched.dtype == np.float32
+    assert np.array_equal(branched.view(np.uint32), fresh.view(np.uint32))  # bitwise
+    _clear(backend)
+    one_step = _evaluate(backend, 1, tokens[:k] + other, 0)  # (CPU: chunking changes nothing)
+    assert np.array_equal(branched.view(np.uint32), one_step.view(np.uint32))
+    _clear(backend)
+    _evaluate(backend, 1, tokens[1:k + 1], 0)  # control: another prefix of k tokens
+    assert not np.allclose(_evaluate(backend, 1, other, k), fresh, rtol=0, atol=1e-3)
