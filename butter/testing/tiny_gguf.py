@@ -286,13 +286,13 @@ def special_token_ids() -> dict[str, int]:
 # --- weights -----------------------------------------------------------------
 
 
-def _normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> F32Array:
+def random_normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> F32Array:
     return (rng.standard_normal(shape, dtype=np.float32) * np.float32(std)).astype(np.float32)
 
 
-def _norm_weight(rng: np.random.Generator, size: int) -> F32Array:
+def norm_weight(rng: np.random.Generator, size: int) -> F32Array:
     """RMSNorm gains near 1, jittered so the norms are not all identical."""
-    return (1.0 + _normal(rng, (size,), 0.1)).astype(np.float32)
+    return (1.0 + random_normal(rng, (size,), 0.1)).astype(np.float32)
 
 
 def _layer_tensors(rng: np.random.Generator, layer: int, n_embd: int) -> dict[str, F32Array]:
@@ -314,7 +314,7 @@ def _layer_tensors(rng: np.random.Generator, layer: int, n_embd: int) -> dict[st
         "ffn_down": ((n_embd, n_ff), ff_std),
     }
     tensors = {
-        f"blk.{layer}.{key}.weight": _normal(rng, shape, std)
+        f"blk.{layer}.{key}.weight": random_normal(rng, shape, std)
         for key, (shape, std) in shapes.items()
     }
     for key, size in (
@@ -323,11 +323,11 @@ def _layer_tensors(rng: np.random.Generator, layer: int, n_embd: int) -> dict[st
         ("attn_q_norm", HEAD_DIM),
         ("attn_k_norm", HEAD_DIM),
     ):
-        tensors[f"blk.{layer}.{key}.weight"] = _norm_weight(rng, size)
+        tensors[f"blk.{layer}.{key}.weight"] = norm_weight(rng, size)
     return tensors
 
 
-def _output_weight(rng: np.random.Generator, n_vocab: int, n_embd: int) -> F32Array:
+def output_weight(rng: np.random.Generator, n_vocab: int, n_embd: int) -> F32Array:
     """A separate random LM head (tying it to the embeddings makes greedy
     decoding repeat the last token).
 
@@ -335,7 +335,7 @@ def _output_weight(rng: np.random.Generator, n_vocab: int, n_embd: int) -> F32Ar
     best of ~560 random logits is comfortably positive: greedy decoding never
     stops on its own, and tests control length with max_tokens/stop strings.
     """
-    weight = _normal(rng, (n_vocab, n_embd), n_embd**-0.5)
+    weight = random_normal(rng, (n_vocab, n_embd), n_embd**-0.5)
     for token_id in (special_token_ids()[text] for text in CONTROL_TOKENS):
         weight[token_id] = 0.0
     return weight
@@ -343,11 +343,11 @@ def _output_weight(rng: np.random.Generator, n_vocab: int, n_embd: int) -> F32Ar
 
 def _all_tensors(seed: int, n_vocab: int, n_embd: int = N_EMBD) -> dict[str, F32Array]:
     rng = np.random.default_rng(seed)
-    tensors = {"token_embd.weight": _normal(rng, (n_vocab, n_embd), 1.0)}
+    tensors = {"token_embd.weight": random_normal(rng, (n_vocab, n_embd), 1.0)}
     for layer in range(N_LAYER):
         tensors.update(_layer_tensors(rng, layer, n_embd))
-    tensors["output_norm.weight"] = _norm_weight(rng, n_embd)
-    tensors["output.weight"] = _output_weight(rng, n_vocab, n_embd)
+    tensors["output_norm.weight"] = norm_weight(rng, n_embd)
+    tensors["output.weight"] = output_weight(rng, n_vocab, n_embd)
     return tensors
 
 
@@ -386,7 +386,7 @@ def tiny_vocabulary(chat_template: str = CHAT_TEMPLATE, *, fim: bool = False) ->
                       chat_template=chat_template, fim=fim_ids)
 
 
-def _finish_file(writer: gguf.GGUFWriter, partial: pathlib.Path,
+def finish_file(writer: gguf.GGUFWriter, partial: pathlib.Path,
                  target: pathlib.Path) -> pathlib.Path:
     """Write what `writer` holds to `partial`, then rename it into place (a reader never
     sees a half-written model)."""
@@ -460,16 +460,18 @@ def _mamba_layer_tensors(rng: np.random.Generator, layer: int) -> dict[str, F32A
     prefix = f"blk.{layer}."
     a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))  # S4D-real init
     return {
-        prefix + "attn_norm.weight": _norm_weight(rng, N_EMBD),
-        prefix + "ssm_in.weight": _normal(rng, (2 * d_inner, N_EMBD), N_EMBD**-0.5),
-        prefix + "ssm_conv1d.weight": _normal(rng, (d_inner, MAMBA_D_CONV), MAMBA_D_CONV**-0.5),
-        prefix + "ssm_conv1d.bias": _normal(rng, (d_inner,), 0.1),
-        prefix + "ssm_x.weight": _normal(rng, (dt_rank + 2 * d_state, d_inner), d_inner**-0.5),
-        prefix + "ssm_dt.weight": _normal(rng, (d_inner, dt_rank), dt_rank**-0.5),
-        prefix + "ssm_dt.bias": _normal(rng, (d_inner,), 0.1) - np.float32(2.0),
+        prefix + "attn_norm.weight": norm_weight(rng, N_EMBD),
+        prefix + "ssm_in.weight": random_normal(rng, (2 * d_inner, N_EMBD), N_EMBD**-0.5),
+        prefix + "ssm_conv1d.weight": random_normal(rng, (d_inner, MAMBA_D_CONV),
+                                                    MAMBA_D_CONV**-0.5),
+        prefix + "ssm_conv1d.bias": random_normal(rng, (d_inner,), 0.1),
+        prefix + "ssm_x.weight": random_normal(rng, (dt_rank + 2 * d_state, d_inner),
+                                               d_inner**-0.5),
+        prefix + "ssm_dt.weight": random_normal(rng, (d_inner, dt_rank), dt_rank**-0.5),
+        prefix + "ssm_dt.bias": random_normal(rng, (d_inner,), 0.1) - np.float32(2.0),
         prefix + "ssm_a": a.astype(np.float32),
         prefix + "ssm_d": np.ones(d_inner, dtype=np.float32),
-        prefix + "ssm_out.weight": _normal(rng, (N_EMBD, d_inner), d_inner**-0.5),
+        prefix + "ssm_out.weight": random_normal(rng, (N_EMBD, d_inner), d_inner**-0.5),
     }
 
 
@@ -495,11 +497,11 @@ def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
     add_vocabulary(writer, tiny_vocabulary())
     rng = np.random.default_rng(seed)
     n_vocab = len(tiny_vocab())
-    tensors = {"token_embd.weight": _normal(rng, (n_vocab, N_EMBD), 1.0)}
+    tensors = {"token_embd.weight": random_normal(rng, (n_vocab, N_EMBD), 1.0)}
     for layer in range(N_LAYER):
         tensors.update(_mamba_layer_tensors(rng, layer))
-    tensors["output_norm.weight"] = _norm_weight(rng, N_EMBD)
-    tensors["output.weight"] = _output_weight(rng, n_vocab, N_EMBD)
+    tensors["output_norm.weight"] = norm_weight(rng, N_EMBD)
+    tensors["output.weight"] = output_weight(rng, n_vocab, N_EMBD)
     quantized = ("ssm_in.weight", "ssm_out.weight", "token_embd.weight", "output.weight")
     for name, tensor in tensors.items():
         if name.endswith(quantized):
@@ -507,6 +509,6 @@ def write_tiny_mamba_gguf(path: str | os.PathLike[str], *, seed: int = 0,
             writer.add_tensor(name, gguf.quants.quantize(tensor, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, tensor)
-    return _finish_file(writer, partial, target)
+    return finish_file(writer, partial, target)
 
 

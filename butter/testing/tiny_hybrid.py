@@ -18,9 +18,10 @@ import numpy as np
 
 from butter.testing.gguf_writer import F32Array, GgmlType, add_vocabulary
 from butter.testing.tiny_gguf import (
-    _norm_weight,
-    _normal,
-    _output_weight,
+    finish_file,
+    norm_weight,
+    output_weight,
+    random_normal,
     tiny_vocab,
     tiny_vocabulary,
 )
@@ -56,12 +57,12 @@ def _attention_tensors(rng: np.random.Generator, prefix: str) -> dict[str, F32Ar
     """A full-attention layer: q carries the query and its output gate (2 x n_head heads)."""
     q_dim, kv_dim = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
     return {
-        prefix + "attn_q.weight": _normal(rng, (2 * q_dim, N_EMBD), N_EMBD**-0.5),
-        prefix + "attn_k.weight": _normal(rng, (kv_dim, N_EMBD), N_EMBD**-0.5),
-        prefix + "attn_v.weight": _normal(rng, (kv_dim, N_EMBD), N_EMBD**-0.5),
-        prefix + "attn_output.weight": _normal(rng, (N_EMBD, q_dim), q_dim**-0.5),
-        prefix + "attn_q_norm.weight": _norm_weight(rng, HEAD_DIM),
-        prefix + "attn_k_norm.weight": _norm_weight(rng, HEAD_DIM),
+        prefix + "attn_q.weight": random_normal(rng, (2 * q_dim, N_EMBD), N_EMBD**-0.5),
+        prefix + "attn_k.weight": random_normal(rng, (kv_dim, N_EMBD), N_EMBD**-0.5),
+        prefix + "attn_v.weight": random_normal(rng, (kv_dim, N_EMBD), N_EMBD**-0.5),
+        prefix + "attn_output.weight": random_normal(rng, (N_EMBD, q_dim), q_dim**-0.5),
+        prefix + "attn_q_norm.weight": norm_weight(rng, HEAD_DIM),
+        prefix + "attn_k_norm.weight": norm_weight(rng, HEAD_DIM),
     }
 
 
@@ -71,32 +72,32 @@ def _delta_net_tensors(rng: np.random.Generator, prefix: str) -> dict[str, F32Ar
     conv_dim = 2 * key_dim + value_dim
     a_log = np.log(rng.uniform(1.0, 16.0, SSM_N_V_HEADS)).astype(np.float32)
     return {
-        prefix + "attn_qkv.weight": _normal(rng, (conv_dim, N_EMBD), N_EMBD**-0.5),
-        prefix + "attn_gate.weight": _normal(rng, (value_dim, N_EMBD), N_EMBD**-0.5),
-        prefix + "ssm_conv1d.weight": _normal(rng, (conv_dim, SSM_D_CONV), SSM_D_CONV**-0.5),
-        prefix + "ssm_dt.bias": _normal(rng, (SSM_N_V_HEADS,), 0.5),
+        prefix + "attn_qkv.weight": random_normal(rng, (conv_dim, N_EMBD), N_EMBD**-0.5),
+        prefix + "attn_gate.weight": random_normal(rng, (value_dim, N_EMBD), N_EMBD**-0.5),
+        prefix + "ssm_conv1d.weight": random_normal(rng, (conv_dim, SSM_D_CONV), SSM_D_CONV**-0.5),
+        prefix + "ssm_dt.bias": random_normal(rng, (SSM_N_V_HEADS,), 0.5),
         prefix + "ssm_a": (-np.exp(a_log)).astype(np.float32),  # -exp(A_log), as converted
-        prefix + "ssm_beta.weight": _normal(rng, (SSM_N_V_HEADS, N_EMBD), N_EMBD**-0.5),
-        prefix + "ssm_alpha.weight": _normal(rng, (SSM_N_V_HEADS, N_EMBD), N_EMBD**-0.5),
-        prefix + "ssm_norm.weight": _norm_weight(rng, SSM_D_STATE),
-        prefix + "ssm_out.weight": _normal(rng, (N_EMBD, value_dim), value_dim**-0.5),
+        prefix + "ssm_beta.weight": random_normal(rng, (SSM_N_V_HEADS, N_EMBD), N_EMBD**-0.5),
+        prefix + "ssm_alpha.weight": random_normal(rng, (SSM_N_V_HEADS, N_EMBD), N_EMBD**-0.5),
+        prefix + "ssm_norm.weight": norm_weight(rng, SSM_D_STATE),
+        prefix + "ssm_out.weight": random_normal(rng, (N_EMBD, value_dim), value_dim**-0.5),
     }
 
 
 def _all_tensors(seed: int, n_vocab: int) -> dict[str, F32Array]:
     rng = np.random.default_rng(seed)
-    tensors = {"token_embd.weight": _normal(rng, (n_vocab, N_EMBD), 1.0)}
+    tensors = {"token_embd.weight": random_normal(rng, (n_vocab, N_EMBD), 1.0)}
     for layer in range(N_LAYER):
         prefix = f"blk.{layer}."
-        tensors[prefix + "attn_norm.weight"] = _norm_weight(rng, N_EMBD)
+        tensors[prefix + "attn_norm.weight"] = norm_weight(rng, N_EMBD)
         tensors.update(_delta_net_tensors(rng, prefix) if is_recurrent_layer(layer)
                        else _attention_tensors(rng, prefix))
-        tensors[prefix + "post_attention_norm.weight"] = _norm_weight(rng, N_EMBD)
-        tensors[prefix + "ffn_gate.weight"] = _normal(rng, (N_FF, N_EMBD), N_EMBD**-0.5)
-        tensors[prefix + "ffn_up.weight"] = _normal(rng, (N_FF, N_EMBD), N_EMBD**-0.5)
-        tensors[prefix + "ffn_down.weight"] = _normal(rng, (N_EMBD, N_FF), N_FF**-0.5)
-    tensors["output_norm.weight"] = _norm_weight(rng, N_EMBD)
-    tensors["output.weight"] = _output_weight(rng, n_vocab, N_EMBD)
+        tensors[prefix + "post_attention_norm.weight"] = norm_weight(rng, N_EMBD)
+        tensors[prefix + "ffn_gate.weight"] = random_normal(rng, (N_FF, N_EMBD), N_EMBD**-0.5)
+        tensors[prefix + "ffn_up.weight"] = random_normal(rng, (N_FF, N_EMBD), N_EMBD**-0.5)
+        tensors[prefix + "ffn_down.weight"] = random_normal(rng, (N_EMBD, N_FF), N_FF**-0.5)
+    tensors["output_norm.weight"] = norm_weight(rng, N_EMBD)
+    tensors["output.weight"] = output_weight(rng, n_vocab, N_EMBD)
     return tensors
 
 
@@ -150,9 +151,4 @@ def write_tiny_qwen35_gguf(path: str | os.PathLike[str], *, seed: int = 0,
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(partial, target)
-    return target
+    return finish_file(writer, partial, target)
