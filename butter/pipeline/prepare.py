@@ -135,7 +135,8 @@ def prepare_tokens(
     resident: ResidentModel, request: GenerationRequest, prompt: list[int],
     *, starts_in_reasoning: bool = False,
 ) -> PreparedGeneration:
-    if not prompt:  # (nothing to evaluate: the engine would wait on it forever)
+    if not prompt:  # (refused here, before a stream's headers and naming the field; the engine
+        # refuses it too, for callers that skip this)
         raise InvalidRequest(
             "the prompt is empty: it renders to no tokens, so there is nothing to continue",
             param="messages" if isinstance(request.prompt, ChatPrompt) else "prompt")
