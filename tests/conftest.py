@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from butter.testing.tiny_gguf import write_tiny_mamba_gguf, write_tiny_qwen3_gguf
-from butter.testing.tiny_hybrid import write_tiny_qwen35_gguf
+from butter.testing.tiny_hybrid import write_tiny_lfm2_gguf, write_tiny_qwen35_gguf
 
 # mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
@@ -50,6 +50,12 @@ def tiny_mamba_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_qwen35_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight hybrid Qwen3.5 (gated delta-net layers, full attention every 4th)."""
     return write_tiny_qwen35_gguf(tmp_path_factory.mktemp("qwen35") / "tiny-qwen35.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_lfm2_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight hybrid LFM2 (short-conv layers, one full-attention layer)."""
+    return write_tiny_lfm2_gguf(tmp_path_factory.mktemp("lfm2") / "tiny-lfm2.gguf")
 
 
 def quantized_tiny_gguf(folder: Path, ftype: int, name: str) -> Path:

@@ -1,13 +1,18 @@
-"""The tiny hybrid Qwen3.5 on the real llama.cpp, and the claims of
+"""The tiny hybrid models on the real llama.cpp, and the claims of
 docs/design/hybrid-checkpoints-plan.md (#51) that butter's context checkpoints would rest
 on: a PARTIAL_ONLY state save is the recurrent state alone (its size does not grow with
 the sequence), and restoring it lets a partial `llama_memory_seq_rm` cut the attention
-cache, after which a different continuation computes what a fresh sequence computes."""
+cache, after which a different continuation computes what a fresh sequence computes.
+
+Each claim runs on two hybrid families whose recurrent layers differ: Qwen3.5 (gated
+delta-net: a conv state and an ssm state per layer) and LFM2 (gated short conv: a conv
+state alone), so that what holds is a rule of hybrid models, not of one architecture."""
 
 from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +23,16 @@ import pytest
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.sampling import SamplingParams
-from butter.testing.tiny_hybrid import recurrent_state_floats
+from butter.testing.tiny_hybrid import (
+    LFM2_LAYER_TYPES,
+    N_LAYER,
+    is_recurrent_layer,
+    lfm2_is_conv_layer,
+    lfm2_recurrent_state_floats,
+    recurrent_state_floats,
+    write_tiny_lfm2_gguf,
+    write_tiny_qwen35_gguf,
+)
 from tests.backend_steps import generate_greedy
 
 T = TypeVar("T")
@@ -27,17 +41,53 @@ PARTIAL = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 PROMPT = ("The quick brown fox jumps over the lazy dog. The dog did not mind; it was "
           "asleep in the sun, dreaming of the 3 bones it had buried.")
 OTHER = " Hello! How are you today? I'm fine, thank you."
-# The tiny shape's PARTIAL_ONLY checkpoint, measured: 3 delta-net layers of
-# (n_embd_r + n_embd_s) = (768 + 4096) f32, plus 24 B of headers per layer and 28 B more,
-# as the plan's formula says (see its "Verified" section).
-CHECKPOINT_BYTES = 58_468
+
+
+@dataclass(frozen=True)
+class Family:
+    """One tiny hybrid model and the size of its PARTIAL_ONLY checkpoint."""
+
+    arch: str  # general.architecture, as llama.cpp loads it
+    fixture: str
+    checkpoint_bytes: int  # measured, and pinned
+    state_floats: int  # the formula's: n_embd_r + n_embd_s over the recurrent layers
+    recurrent_layers: int
+
+
+# The PARTIAL_ONLY checkpoint is 28 B of headers (magic, seq id, cell count, the cell's pos
+# and seq count, s_trans, n_layer), then per recurrent layer an r and an s tensor, each
+# with 12 B of header (type, row size) before its f32 row: the plan's formula (see its
+# "Verified" section).
+# qwen35: 3 delta-net layers of (n_embd_r + n_embd_s) = (768 + 4096) f32.
+# lfm2: 3 short-conv layers of n_embd_r = n_embd * (l_cache - 1) = 64 * 2 f32, and an s
+# tensor of n_embd_s = 0 floats (its header is still written).
+FAMILIES = {
+    "qwen35": Family("qwen35", "tiny_qwen35_gguf", 58_468, recurrent_state_floats(),
+                     sum(map(is_recurrent_layer, range(N_LAYER)))),
+    "lfm2": Family("lfm2", "tiny_lfm2_gguf", 1_636, lfm2_recurrent_state_floats(),
+                   sum(map(lfm2_is_conv_layer, range(len(LFM2_LAYER_TYPES))))),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> Family:
+    return FAMILIES[request.param]
 
 
 @pytest.fixture(scope="module")
-def backend(tiny_qwen35_gguf: Path) -> Iterator[LlamaCppBackend]:
-    model = LlamaCppBackend(tiny_qwen35_gguf, n_cells=256, n_seq=2, n_batch=64, threads=2)
+def backend(request: pytest.FixtureRequest, family: Family) -> Iterator[LlamaCppBackend]:
+    path: Path = request.getfixturevalue(family.fixture)
+    model = LlamaCppBackend(path, n_cells=256, n_seq=2, n_batch=64, threads=2)
     yield model
     model.close()
+
+
+@pytest.mark.parametrize("write", [write_tiny_qwen35_gguf, write_tiny_lfm2_gguf])
+def test_the_same_seed_writes_the_same_bytes(write: Callable[..., Path], tmp_path: Path) -> None:
+    first = write(tmp_path / "a.gguf", seed=3).read_bytes()
+    assert write(tmp_path / "b.gguf", seed=3).read_bytes() == first
+    assert write(tmp_path / "c.gguf", seed=4).read_bytes() != first
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "c.gguf"]
 
 
 def _on_thread(backend: LlamaCppBackend, fn: Callable[[], T]) -> T:
@@ -84,9 +134,20 @@ def _clear(backend: LlamaCppBackend) -> None:
     backend.step([RemoveTokens(0, -1, -1), RemoveTokens(1, -1, -1)], [])
 
 
-def test_the_tiny_qwen35_loads_as_a_hybrid_and_decodes_deterministically(
-    backend: LlamaCppBackend,
+def _architecture(backend: LlamaCppBackend) -> str:
+    def read() -> str:
+        value = ctypes.create_string_buffer(64)
+        written = ll.llama_model_meta_val_str(backend.model.model, b"general.architecture",
+                                              value, len(value))
+        assert written > 0
+        return value.value.decode()
+    return _on_thread(backend, read)
+
+
+def test_the_tiny_hybrid_loads_as_a_hybrid_and_decodes_deterministically(
+    backend: LlamaCppBackend, family: Family,
 ) -> None:
+    assert _architecture(backend) == family.arch
     assert _on_thread(backend, lambda: bool(ll.llama_model_is_hybrid(backend.model.model)))
     assert not _on_thread(backend,
                           lambda: bool(ll.llama_model_is_recurrent(backend.model.model)))
@@ -99,7 +160,9 @@ def test_the_tiny_qwen35_loads_as_a_hybrid_and_decodes_deterministically(
     assert len(set(first[0])) > 3  # random weights, but not stuck on one token
 
 
-def test_a_partial_checkpoint_is_the_recurrent_state_alone(backend: LlamaCppBackend) -> None:
+def test_a_partial_checkpoint_is_the_recurrent_state_alone(
+    backend: LlamaCppBackend, family: Family,
+) -> None:
     tokens = backend.tokenize(PROMPT, add_bos=False)
     _clear(backend)
     partial: dict[int, int] = {}
@@ -110,8 +173,9 @@ def test_a_partial_checkpoint_is_the_recurrent_state_alone(backend: LlamaCppBack
         position = n
         partial[n] = len(_save(backend, 0, PARTIAL))
         full[n] = len(_save(backend, 0, ll.LLAMA_STATE_SEQ_FLAGS_NONE))
-    assert set(partial.values()) == {CHECKPOINT_BYTES}
-    assert CHECKPOINT_BYTES == 4 * recurrent_state_floats() + 3 * 24 + 28
+    assert set(partial.values()) == {family.checkpoint_bytes}
+    assert family.checkpoint_bytes == (4 * family.state_floats + family.recurrent_layers * 24
+                                       + 28)
     sizes = [full[n] for n in sorted(full)]
     assert sizes == sorted(set(sizes))  # the whole state grows with the attention KV
 
