@@ -74,17 +74,44 @@ class SaveSequence:
 @attrs.frozen(repr=False)
 class RestoreSequence:
     """Load state that SaveSequence made into `seq` (emptied first), then keep only its
-    first `keep` positions (the step says whether it worked: Restored)."""
+    first `keep` positions (the step says whether it worked: Restored). A state that
+    cannot be cut back there is first rewound to `checkpoint` (SaveCheckpoint's bytes
+    after `keep` tokens; b"": none)."""
+
+    seq: int
+    data: bytes
+    keep: int
+    checkpoint: bytes = b""
+
+    def __repr__(self) -> str:
+        return f"RestoreSequence(seq={self.seq}, {len(self.data)} bytes, keep={self.keep})"
+
+
+@attrs.frozen
+class SaveCheckpoint:
+    """Serialize the part of `seq`'s state that cannot be cut back (a recurrent or hybrid
+    model's recurrent state: llama.cpp's PARTIAL_ONLY), as it stands before this step's
+    batch (the step returns it: Checkpointed)."""
+
+    seq: int
+
+
+@attrs.frozen(repr=False)
+class RestoreCheckpoint:
+    """Load a checkpoint that SaveCheckpoint made after `keep` tokens into `seq`, then cut
+    everything else `seq` holds back to its first `keep` positions (the step says whether
+    it worked: Restored; on failure the sequence is empty)."""
 
     seq: int
     data: bytes
     keep: int
 
     def __repr__(self) -> str:
-        return f"RestoreSequence(seq={self.seq}, {len(self.data)} bytes, keep={self.keep})"
+        return f"RestoreCheckpoint(seq={self.seq}, {len(self.data)} bytes, keep={self.keep})"
 
 
-KvOp = RemoveTokens | CopyPrefix | ShiftPositions | SetSampler | SaveSequence | RestoreSequence
+KvOp = (RemoveTokens | CopyPrefix | ShiftPositions | SetSampler | SaveSequence
+        | RestoreSequence | SaveCheckpoint | RestoreCheckpoint)
 
 
 @attrs.frozen(repr=False)
@@ -95,6 +122,16 @@ class Saved:
     def __repr__(self) -> str:
         size = None if self.data is None else len(self.data)
         return f"Saved(seq={self.seq}, {size} bytes)"
+
+
+@attrs.frozen(repr=False)
+class Checkpointed:
+    seq: int
+    data: bytes | None  # None: the backend could not serialize it
+
+    def __repr__(self) -> str:
+        size = None if self.data is None else len(self.data)
+        return f"Checkpointed(seq={self.seq}, {size} bytes)"
 
 
 @attrs.frozen
@@ -118,11 +155,18 @@ class KvEditor(Protocol):
 
     def restore_sequence(self, op: RestoreSequence) -> Restored: ...
 
+    def save_checkpoint(self, op: SaveCheckpoint) -> Checkpointed: ...
 
-def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[Saved | Restored]:
+    def restore_checkpoint(self, op: RestoreCheckpoint) -> Restored: ...
+
+
+KvOutcome = Saved | Restored | Checkpointed
+
+
+def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[KvOutcome]:
     """Apply the ops in order, each through the editor's method for its kind; the saves'
     and restores' outcomes, in order."""
-    outcomes: list[Saved | Restored] = []
+    outcomes: list[KvOutcome] = []
     for op in ops:
         match op:
             case RemoveTokens():
@@ -137,6 +181,10 @@ def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[Saved | Restored
                 outcomes.append(editor.save_sequence(op))
             case RestoreSequence():
                 outcomes.append(editor.restore_sequence(op))
+            case SaveCheckpoint():
+                outcomes.append(editor.save_checkpoint(op))
+            case RestoreCheckpoint():
+                outcomes.append(editor.restore_checkpoint(op))
     return outcomes
 
 
@@ -185,7 +233,7 @@ class Scored:
     logprobs: tuple[Logprobs, ...]
 
 
-StepResult = Sampled | Scored | Saved | Restored
+StepResult = Sampled | Scored | Saved | Restored | Checkpointed
 
 
 class BackendError(Exception):
@@ -203,6 +251,10 @@ class Backend(Protocol):
     shares_prefix_cells: bool
     # SaveSequence / RestoreSequence work (the host-RAM tier); False: never sent.
     saves_sequences: bool
+    # SaveCheckpoint / RestoreCheckpoint work, and this many bytes each checkpoint takes
+    # (the state a recurrent or hybrid model cannot cut back; its size does not depend on
+    # the sequence's length); 0: never sent.
+    checkpoint_bytes: int
     can_shift: bool
     kv_type: KvCacheType
     # A sequence's cache holding this many positions or more can no longer be cut back

@@ -34,6 +34,7 @@ from butter.backends.base import (
     SeqWork,
     StepResult,
 )
+from butter.engine import checkpoints
 from butter.engine.admission import Admission
 from butter.engine.drafting import Speculation
 from butter.engine.generation import HAS_STEP_WORK, Generation, RequestState
@@ -83,10 +84,13 @@ class Engine:
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
         max_queue: int, window: KvWindow | None = None, decode_stall: float = 0.0,
         cache_ram_bytes: int = 0, draft_max: int = 0,
+        checkpoints_per_sequence: int = checkpoints.DEFAULT_PER_SEQUENCE,
     ) -> None:
         """`decode_stall`: while sequences decode, shrink prompt chunks so that a step
         carrying one takes about this long (seconds; 0: always `prefill_chunk`).
-        `cache_ram_bytes`: the host-RAM tier's budget for evicted prefixes (0: none).
+        `cache_ram_bytes`: the host-RAM tier's budget for evicted prefixes and for
+        checkpoints (0: none of either). `checkpoints_per_sequence`: a recurrent or hybrid
+        model's checkpoints kept per cached prompt (PrefixCache).
         `draft_max`: speculative decoding, at most this many draft tokens per request and
         step (0: off; the backend may allow fewer, see Backend.draft_rows)."""
         self.backend = backend
@@ -97,7 +101,9 @@ class Engine:
         # Every sequence id the backend has: `parallel` of them generate at a time, and
         # any of them may hold a cached prefix while idle.
         self.cache = PrefixCache(backend, n_seq=max(parallel, backend.n_seq + backend.n_cache_seqs),
-                                 cache_ram_bytes=cache_ram_bytes)
+                                 cache_ram_bytes=cache_ram_bytes,
+                                 checkpoints_per_sequence=checkpoints_per_sequence,
+                                 prefill_chunk=prefill_chunk)
         self.speculation = Speculation(backend, draft_max=draft_max, window=window)
         self._joining: list[Generation] = []
         self._wakeup = trio.Event()
@@ -130,14 +136,16 @@ class Engine:
     @asynccontextmanager
     async def generate_choices(
         self, prompt: Sequence[int], params: Sequence[SamplingParams], max_tokens: int | None,
-        *, prompt_top_logprobs: int | None = None,
+        *, prompt_top_logprobs: int | None = None, checkpoint_hints: Sequence[int] = (),
     ) -> AsyncIterator[list[Generation]]:
         """One generation per sampling parameters, from one prompt, admitted together.
 
         The prompt is prefilled once: the first choice joins alone, and the others join
         once its prompt is in the cache and share it from there (seq_cp), each then
         evaluating just the prompt's last token. `prompt_top_logprobs`: score the prompt
-        (each token's logprob with this many alternatives). Always released."""
+        (each token's logprob with this many alternatives). `checkpoint_hints`: prompt
+        positions where a later prompt is likely to diverge (message starts), for models
+        whose state is cut back only at checkpoints. Always released."""
         if not prompt:  # (nothing to evaluate: it would hold its sequence forever)
             raise InvalidRequest("the prompt has no tokens", param="prompt")
         limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
@@ -151,7 +159,8 @@ class Engine:
             cells = min(cells, self.window.size)  # a sliding sequence never holds more
         tickets = await self.admission.acquire_many(cells, len(params))
         generations = [
-            Generation(prompt=tuple(prompt), params=choice, max_tokens=limit, ticket=ticket)
+            Generation(prompt=tuple(prompt), params=choice, max_tokens=limit, ticket=ticket,
+                       checkpoint_hints=tuple(checkpoint_hints))
             for choice, ticket in zip(params, tickets, strict=True)
         ]
         generations[0].followers = generations[1:]
@@ -190,6 +199,7 @@ class Engine:
             cached_entries=cache.cached_entries(),
             used_cells=cache.cells.used,
             host=cache.host_stats(),
+            checkpoints=cache.checkpoint_summary(),
             acceptance=tuple(
                 (s.seq, round(s.generation.acceptance.rate, 3)) for s in cache.sequences
                 if s.generation is not None and s.generation.lookup is not None),
@@ -251,6 +261,7 @@ class Engine:
                 seq=s.seq, start=len(s.kv_tokens), pending=s.generation.pending,
                 decoding=s.generation.state is RequestState.DECODING,
                 prompt_top_logprobs=s.generation.prompt_top_logprobs,
+                stop=s.tokens_to_next_checkpoint(),
             )
             for s in self.cache.sequences
             if s.generation is not None and s.generation.state in HAS_STEP_WORK

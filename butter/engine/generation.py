@@ -82,6 +82,10 @@ class Generation:
     # evaluated whole, never reused from the cache, and max_tokens may be 0.
     prompt_top_logprobs: int | None = None
     prompt_logprobs: list[Logprobs] = attrs.field(factory=list)  # of tokens 1 .. n-1
+    # Prompt positions worth a checkpoint on a model whose state cannot be cut back (where
+    # the chat template starts a message): a later prompt that diverges past one of them
+    # starts from there (checkpoints.py).
+    checkpoint_hints: tuple[int, ...] = ()
     # perf_counter() when it got its KV sequence, sampled its first token, ended: the
     # `timings` llama-server reports (prompt and generation speed, queueing left out).
     leased_at: float | None = None

@@ -10,7 +10,7 @@ import attrs
 from butter.backends.team import TeamStatus
 from butter.engine.generation import Generation
 from butter.engine.host_cache import HostCacheStats
-from butter.engine.prefix_cache import MIN_USEFUL_PREFIX
+from butter.engine.prefix_cache import MIN_USEFUL_PREFIX, CheckpointStats
 
 # Upper bounds (seconds) of the step-time histogram exported on /metrics.
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -40,6 +40,8 @@ class EngineStats:
     cached_entries: int = 0
     used_cells: int = 0
     host: HostCacheStats | None = None  # the host-RAM tier (None: off)
+    # A recurrent or hybrid model's context checkpoints (None: this model takes none).
+    checkpoints: CheckpointStats | None = None
     # Speculative decoding: draft tokens verified and accepted, the steps that verified
     # any, and each running request's acceptance estimate (by sequence).
     drafted_tokens: int = 0

@@ -30,6 +30,14 @@ class PendingWork:
     draft: tuple[int, ...] = ()  # a decode's guess at the tokens after it (SeqWork.drafted)
     guess: int = 0  # or: the draft model guesses this many (SeqWork.guess)
     history: Sequence[int] = ()  # the sequence's tokens, for the draft model
+    # A prompt chunk ends after at most this many tokens (None: wherever), so that the
+    # state there can be checkpointed before the next chunk (prefix_cache.py).
+    stop: int | None = None
+
+    @property
+    def can_take(self) -> int:
+        """The prompt tokens a chunk of this step may hold."""
+        return len(self.pending) if self.stop is None else min(len(self.pending), self.stop)
 
 
 # The smallest chunk the budget shrinks to while sessions decode. llama.cpp's CPU flash
@@ -121,7 +129,7 @@ def _chunk_sizes(prefilling: Sequence[PendingWork], budget: int) -> list[int]:
     topped up to its end from the budget nobody used, else from prompts that cannot finish
     in this step anyway (longest first, each giving at most half of its share). Budget
     still unused then goes to the unfinished prompts, in session order."""
-    needs = [len(session.pending) for session in prefilling]
+    needs = [session.can_take for session in prefilling]
     sizes = _equal_shares(needs, budget)
     givable = [size // 2 if size < need else 0 for size, need in zip(sizes, needs, strict=True)]
     spare = budget - sum(sizes)
@@ -164,7 +172,7 @@ def _whole_tiles(prefilling: Sequence[PendingWork], sizes: list[int], budget: in
     tiles among the others, the extra tiles going to the least advanced (with fewer tiles
     than prompts, those furthest behind go first). Where not one whole tile is left, the
     step stays as it was."""
-    needs = [len(s.pending) for s in prefilling]
+    needs = [s.can_take for s in prefilling]
     sizes = list(sizes)
     ending = {i for i, size in enumerate(sizes) if size == needs[i]}
     going_on = sorted((i for i in range(len(needs)) if i not in ending),

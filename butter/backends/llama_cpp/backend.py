@@ -19,11 +19,14 @@ import llama_cpp as ll
 
 from butter.backends.base import (
     BackendError,
+    Checkpointed,
     CopyPrefix,
     KvOp,
     RemoveTokens,
+    RestoreCheckpoint,
     Restored,
     RestoreSequence,
+    SaveCheckpoint,
     Saved,
     SaveSequence,
     SeqWork,
@@ -105,6 +108,9 @@ class LlamaCppBackend:
         self.can_shift = self.model.can_shift
         # swa_full keeps sliding-window layers whole, so only recurrent state cannot rewind.
         self.rewind_limit = 1 if self.info.is_recurrent else None
+        # What cannot be cut back is checkpointed instead (llama-server's context checkpoints).
+        self.checkpoint_bytes = self._worker.call(self.model.checkpoint_size) \
+            if self.info.is_recurrent else 0
         self.samplers = Samplers(self.model)
         self.drafter: DraftModel | None = None
         self.draft_model_off: str | None = None
@@ -370,11 +376,32 @@ class LlamaCppBackend:
 
     def restore_sequence(self, op: RestoreSequence) -> Restored:
         ctx, data = self.model.ctx, op.data
-        source = ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))  # no copy
-        if not ll.llama_state_seq_set_data(ctx, source, len(data), op.seq):
+        loaded = ll.llama_state_seq_set_data(ctx, _no_copy(data), len(data), op.seq)
+        if loaded and op.checkpoint:
+            loaded = ll.llama_state_seq_set_data_ext(
+                ctx, _no_copy(op.checkpoint), len(op.checkpoint), op.seq,
+                ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if not loaded or not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1):
             ll.llama_memory_seq_rm(self.model.mem, op.seq, -1, -1)  # (whatever it loaded)
             return Restored(op.seq, ok=False)
-        ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1)
+        return Restored(op.seq, ok=True)
+
+    def save_checkpoint(self, op: SaveCheckpoint) -> Checkpointed:
+        ctx, flags = self.model.ctx, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(ll.llama_state_seq_get_size_ext(ctx, op.seq, flags))
+        buffer = (ctypes.c_uint8 * size)()
+        written = int(ll.llama_state_seq_get_data_ext(ctx, buffer, size, op.seq, flags))
+        return Checkpointed(op.seq, ctypes.string_at(buffer, written) if written else None)
+
+    def restore_checkpoint(self, op: RestoreCheckpoint) -> Restored:
+        """Recurrent state first: with it back at `keep`, llama.cpp's hybrid memory can cut
+        the attention KV there (it refuses a cut inside the recurrent state's past)."""
+        ctx, data, mem = self.model.ctx, op.data, self.model.mem
+        loaded = ll.llama_state_seq_set_data_ext(
+            ctx, _no_copy(data), len(data), op.seq, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if not loaded or not ll.llama_memory_seq_rm(mem, op.seq, op.keep, -1):
+            ll.llama_memory_seq_rm(mem, op.seq, -1, -1)  # (whatever it loaded)
+            return Restored(op.seq, ok=False)
         return Restored(op.seq, ok=True)
 
     def set_sampler(self, op: SetSampler) -> None:
@@ -394,3 +421,8 @@ class LlamaCppBackend:
         if self.drafter is not None:
             self.drafter.free()
         self.model.free()
+
+
+def _no_copy(data: bytes) -> Any:
+    """`data` as the uint8 pointer llama.cpp reads from, without copying it."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.POINTER(ctypes.c_uint8))

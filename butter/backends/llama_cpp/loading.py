@@ -307,6 +307,21 @@ class LlamaModel:
         # The context keeps calling the (now unarmed) hook: `_hook` keeps its state alive.
         self.lm_head, self.lm_head_by = None, f"llama.cpp (self-check failed: {problem})"
 
+    def checkpoint_size(self) -> int:
+        """The bytes of one sequence's checkpoint (its recurrent state: the same at any
+        length), measured on the scratch sequence after one token."""
+        batch = self.batch
+        batch.token[0], batch.pos[0], batch.n_seq_id[0] = 0, 0, 1
+        batch.seq_id[0][0], batch.logits[0] = self.pad_seq, False
+        batch.n_tokens = 1
+        try:
+            if ll.llama_decode(self.ctx, batch) != 0:
+                raise ModelLoadError("llama.cpp could not evaluate the probe token")
+            return int(ll.llama_state_seq_get_size_ext(
+                self.ctx, self.pad_seq, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        finally:
+            ll.llama_memory_seq_rm(self.mem, self.pad_seq, -1, -1)
+
     def _probe_logits(self, tokens: list[int], *, armed: bool) -> Any:
         """Logits of every probe token, computed by butter (armed) or by llama.cpp."""
         assert self.lm_head is not None

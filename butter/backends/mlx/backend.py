@@ -15,11 +15,14 @@ import numpy as np
 
 from butter.backends.base import (
     BackendError,
+    Checkpointed,
     CopyPrefix,
     KvOp,
     RemoveTokens,
+    RestoreCheckpoint,
     Restored,
     RestoreSequence,
+    SaveCheckpoint,
     Saved,
     SaveSequence,
     Scored,
@@ -53,6 +56,9 @@ class MlxBackend:
         self.shares_prefix_cells = False  # a prefix copy is a copy of the arrays
         # No host-RAM tier: on Apple silicon the KV pool already is host memory.
         self.saves_sequences = False
+        # mlx-lm's recurrent caches (ArraysCache) are not copied out as checkpoints (yet):
+        # a hybrid model's cached prompt is reused only when a new prompt extends it whole.
+        self.checkpoint_bytes = 0
         self.can_shift = False
         self.rewind_limit = self.model.rewind_limit
         self.prompt_tile = 1  # mlx evaluates each sequence's prompt on its own
@@ -167,6 +173,12 @@ class MlxBackend:
 
     def restore_sequence(self, op: RestoreSequence) -> Restored:
         raise BackendError("MLX caches are not saved to a host tier (saves_sequences)")
+
+    def save_checkpoint(self, op: SaveCheckpoint) -> Checkpointed:
+        raise BackendError("MLX caches take no checkpoints (checkpoint_bytes)")
+
+    def restore_checkpoint(self, op: RestoreCheckpoint) -> Restored:
+        raise BackendError("MLX caches take no checkpoints (checkpoint_bytes)")
 
     # ------------------------------------------------------------------ teardown
 
