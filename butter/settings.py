@@ -12,6 +12,7 @@ from typing import Any, TypeVar, cast
 import attrs
 
 from butter import cpu
+from butter.engine import checkpoints
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -341,6 +342,13 @@ class ServeSettings:
         help="host RAM (MiB) for cached prompts evicted from the KV pool, restored when they "
              "return; 0 = off; llama.cpp only (default: a quarter of this machine's memory, "
              f"at most {DEFAULT_CACHE_RAM_MIB_CAP}: %(default)s)")
+    ctx_checkpoints: int = flag(
+        checkpoints.DEFAULT_PER_SEQUENCE, names=("--ctx-checkpoints",), type=int, metavar="N",
+        from_flag=_at_least_zero, group=KV_CACHE,
+        help="recurrent and hybrid models (Qwen3.5, LFM2, Granite 4, Nemotron-H): checkpoints "
+             "of the recurrent state kept per cached prompt, so that a prompt diverging "
+             "inside one is cut back to a checkpoint instead of prefilled again; they count "
+             "against --cache-ram; 0 = off; llama.cpp only (default %(default)s)")
     kv_cache: str = flag(
         "raw", group=KV_CACHE,
         help="KV cache: raw (f16), affine8 (q8_0), affine4 (q4_0), aura / auraNvM (not on "

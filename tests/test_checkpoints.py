@@ -10,10 +10,12 @@ import pytest
 import trio
 
 from butter.backends.base import KvOp, RemoveTokens, RestoreCheckpoint, SeqWork
+from butter.chat.template import ChatTemplate, TemplateChoice, builtin_template_source
 from butter.engine import checkpoints
 from butter.engine.checkpoints import Checkpoint
 from butter.engine.engine import Engine
 from butter.engine.generation import Generation
+from butter.pipeline.prepare import HINT_SPACING, MAX_HINTS, occurrences, spaced_starts
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
@@ -56,6 +58,30 @@ def test_a_full_list_drops_the_checkpoint_closest_behind_another_never_the_newes
     replaced = checkpoints.with_checkpoint(saved, Checkpoint(200, b"again"), most=8)
     assert [c.data for c in replaced if c.n_tokens == 200] == [b"again"]
     assert len(replaced) == 4
+
+
+@pytest.mark.parametrize(("builtin", "marker"), [
+    ("chatml", "<|im_start|>"), ("gemma", "<start_of_turn>"),
+    ("llama3", "<|start_header_id|>"), ("mistral", None),
+])
+def test_the_text_that_opens_every_message_comes_from_the_template(
+    builtin: str, marker: str | None
+) -> None:
+    template = ChatTemplate(TemplateChoice(source=builtin_template_source(builtin),
+                                           origin=builtin), bos_token="<s>", eos_token="</s>")
+    assert template.turn_marker == marker
+
+
+def test_message_starts_hinted_are_the_last_two_and_earlier_ones_spaced_apart() -> None:
+    tokens = [5, 1, 2, 9, 1, 2, 7, 1, 2]
+    assert occurrences(tokens, (1, 2)) == [1, 4, 7]
+    assert occurrences(tokens, (1, 3)) == []
+    starts = [10, 20, 30, 30 + HINT_SPACING, 40 + HINT_SPACING, 50 + 2 * HINT_SPACING,
+              60 + 2 * HINT_SPACING]
+    assert spaced_starts(starts) == (30, 40 + HINT_SPACING, 50 + 2 * HINT_SPACING,
+                                     60 + 2 * HINT_SPACING)
+    many = [i * HINT_SPACING for i in range(20)]
+    assert spaced_starts(many) == tuple(many[-MAX_HINTS:])
 
 
 # ---------------------------------------------------------------------- the engine

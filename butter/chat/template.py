@@ -10,6 +10,7 @@ model, and earlier tool calls and results are written in the same markup.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from datetime import datetime
@@ -221,6 +222,30 @@ class ChatTemplate:
     @property
     def renders_tools(self) -> bool:
         return self.capabilities.tools
+
+    @functools.cached_property
+    def turn_marker(self) -> str | None:
+        """The text that opens every message (`<|im_start|>`, `<start_of_turn>`,
+        `<|start_header_id|>`): the longest start of the generation prompt that also
+        opens the user turn after an answer. None where the template has no such text
+        or cannot render the probe conversation."""
+        first, answer, again = "\ue000first", "\ue000answer", "\ue000again"
+        conversation = [{"role": "user", "content": first}]
+        try:
+            asked = self._render(conversation, None, False, None)
+            prompted = self._render(conversation, None, True, None)
+            turns = self._render([*conversation, {"role": "assistant", "content": answer},
+                                  {"role": "user", "content": again}], None, False, None)
+        except InvalidRequest:
+            return None
+        generation_prompt = prompted[len(asked):] if prompted.startswith(asked) else ""
+        between = turns[turns.find(answer) + len(answer):turns.find(again)] \
+            if answer in turns and again in turns else ""
+        for end in range(len(generation_prompt), 1, -1):
+            if generation_prompt[:end] in between:
+                marker = generation_prompt[:end]
+                return marker if marker.strip() else None
+        return None
 
     def render(
         self,

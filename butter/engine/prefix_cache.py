@@ -93,10 +93,6 @@ class KvSequence:
         """It holds a cached prompt and no request."""
         return self.generation is None and bool(self.kv_tokens)
 
-    @property
-    def checkpoint_bytes(self) -> int:
-        return sum(c.size for c in self.checkpoints)
-
     def tokens_to_next_checkpoint(self) -> int | None:
         """How many more tokens a step may evaluate before the next planned checkpoint."""
         return self.planned[0] - len(self.kv_tokens) if self.planned else None
@@ -164,9 +160,14 @@ class PrefixCache:
         return self.checkpoints_per_sequence > 0
 
     def _checkpoint_bytes_in_pool(self) -> int:
-        """What the KV pool's checkpoints hold of the budget, queued ones included."""
-        return sum(s.checkpoint_bytes for s in self.sequences) + \
+        """What the KV pool's checkpoints hold of the budget, queued ones included (a
+        checkpoint that a prefix copy shares between sequences counts once)."""
+        return sum(c.size for c in self._pool_checkpoints()) + \
             len(self._checkpointing) * self.checkpoint_size
+
+    def _pool_checkpoints(self) -> list[Checkpoint]:
+        unique = {id(c): c for s in self.sequences for c in s.checkpoints}
+        return list(unique.values())
 
     # ------------------------------------------------------------------ the step's side
 
@@ -549,7 +550,7 @@ class PrefixCache:
         """What the checkpoints did and hold now (None: this model takes none)."""
         if not self.checkpoints_on:
             return None
-        held = [c for s in self.sequences for c in s.checkpoints] + \
-            [c for entry in self.host.entries() for c in entry.checkpoints]
+        held = list({id(c): c for c in [*self._pool_checkpoints(), *(
+            c for entry in self.host.entries() for c in entry.checkpoints)]}.values())
         return attrs.evolve(self.checkpoint_stats, held=len(held),
                             bytes=sum(c.size for c in held))

@@ -33,6 +33,8 @@ class PreparedGeneration:
     bare_json_calls: bool = False
     # How the model writes tool calls: `<tool_call>`, and its family's markup.
     call_syntaxes: tuple[CallSyntax, ...] = (TOOL_CALL,)
+    # Where messages start in a chat prompt, for a model checkpointed there (engine).
+    checkpoint_hints: tuple[int, ...] = ()
 
 
 def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
@@ -46,7 +48,8 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
             return attrs.evolve(prepared, bare_json_calls=(
                 resident.template.capabilities.bare_json_calls
                 and resident.template.renders_tools),
-                call_syntaxes=resident.template.call_syntaxes)
+                call_syntaxes=resident.template.call_syntaxes,
+                checkpoint_hints=checkpoint_hints(resident, prepared.prompt))
         if isinstance(request.prompt, TokenPrompt):
             tokens = checked_tokens(request.prompt.tokens, resident.backend.info.n_vocab)
             return attrs.evolve(prepare_tokens(resident, request, tokens),
@@ -57,6 +60,40 @@ def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGene
         return prepare_tokens(resident, request, resident.tokenize_prompt(request.prompt.text))
     except BackendError as exc:  # a swap unloaded this model while the request was prepared
         raise ModelReplaced(str(exc)) from None
+
+
+# Message starts hinted for checkpoints: the last two (the final message and the answer's
+# header, where a returning turn or a regenerated answer diverges), and earlier ones at
+# least this many tokens apart (an edited earlier message), at most MAX_HINTS in all.
+HINT_SPACING = 1024
+MAX_HINTS = 8
+
+
+def checkpoint_hints(resident: ResidentModel, prompt: list[int]) -> tuple[int, ...]:
+    """Where messages start in `prompt`, for a model whose cached prompts are cut back
+    only at checkpoints (none for other models: they need no hints)."""
+    marker = resident.turn_marker_tokens
+    if not marker or not resident.engine.cache.checkpoints_on:
+        return ()
+    return spaced_starts(occurrences(prompt, marker))
+
+
+def occurrences(tokens: list[int], marker: tuple[int, ...]) -> list[int]:
+    """The positions where `marker` starts in `tokens`."""
+    first, width = marker[0], len(marker)
+    return [i for i, token in enumerate(tokens)
+            if token == first and tuple(tokens[i:i + width]) == marker]
+
+
+def spaced_starts(starts: list[int]) -> tuple[int, ...]:
+    """The last two starts, then earlier ones HINT_SPACING apart, MAX_HINTS at most."""
+    kept = starts[-2:]
+    for start in reversed(starts[:-2]):
+        if len(kept) >= MAX_HINTS:
+            break
+        if kept[0] - start >= HINT_SPACING:
+            kept.insert(0, start)
+    return tuple(kept)
 
 
 def fill_in_the_middle(resident: ResidentModel, prefix: str, suffix: str) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,7 @@ import trio
 from butter.backends.base import Backend
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
+from butter.engine.prefix_cache import CheckpointStats
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_kv_cache
 from butter.models import resolve_model
@@ -100,6 +102,7 @@ class ResidentModel:
             prefill_chunk=settings.prefill_chunk, max_queue=settings.max_queue,
             window=self.window, decode_stall=settings.decode_stall,
             cache_ram_bytes=settings.cache_ram_mib * 2**20, draft_max=settings.draft_max,
+            checkpoints_per_sequence=settings.ctx_checkpoints,
         )
         self.kv_requested = settings.kv_cache
         self.strict_max_tokens = settings.strict_max_tokens
@@ -145,6 +148,12 @@ class ResidentModel:
                    path: Path | None = None) -> ResidentModel:
         """Load in a worker thread; cancelling the caller waits for the load to finish."""
         return await trio.to_thread.run_sync(cls.load_sync, settings, model_id, path)
+
+    @functools.cached_property
+    def turn_marker_tokens(self) -> tuple[int, ...]:
+        """The tokens that open every message in this template's prompts (none: unknown)."""
+        marker = self.template.turn_marker
+        return tuple(self.backend.tokenize(marker, add_bos=False)) if marker else ()
 
     def tokenize_prompt(self, text: str) -> list[int]:
         # Add BOS only when the model wants one and the template did not render it.
@@ -203,9 +212,24 @@ class ResidentModel:
             },
             "host_ram_unavailable": None if self.backend.saves_sequences else (
                 "this backend keeps no host-RAM tier (on MLX the KV pool is host memory)"),
+            "checkpoints": self._checkpoints_info(stats.checkpoints),
             "hits": stats.prefix_hits, "misses": stats.prefix_misses,
             "prompt_tokens": stats.prompt_tokens, "cached_tokens": stats.cached_tokens,
         }
+
+    def _checkpoints_info(self, stats: CheckpointStats | None) -> dict[str, Any]:
+        """Context checkpoints: what they did and hold, or why this model takes none."""
+        if stats is not None:
+            return {"per_sequence": self.engine.cache.checkpoints_per_sequence,
+                    "bytes_each": self.backend.checkpoint_bytes, **attrs.asdict(stats)}
+        if not self.backend.info.is_recurrent:
+            why = "not needed: this model's KV cache can be cut back anywhere"
+        elif not self.backend.checkpoint_bytes:
+            why = ("this backend takes no checkpoints (MLX): a recurrent or hybrid model's "
+                   "cached prompt is reused only when a new prompt extends it whole")
+        else:
+            why = "off (--ctx-checkpoints 0 or --cache-ram 0)"
+        return {"off": why}
 
     def speculation_info(self) -> dict[str, Any]:
         """What /v1/server shows of speculative decoding: whether it runs (and why not),

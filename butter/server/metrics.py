@@ -92,6 +92,23 @@ class _EngineCollector(Collector):
                 "Prompt tokens restored from host RAM", stats.host.restored_tokens)
             counters["butter_host_cache_saves"] = ("Prefixes saved to host RAM",
                                                    stats.host.saved)
+        checkpoints = stats.checkpoints
+        if checkpoints is not None:
+            gauges_too = {
+                "butter_checkpoints": ("Context checkpoints held (recurrent state)",
+                                       checkpoints.held),
+                "butter_checkpoint_bytes": ("Bytes context checkpoints hold", checkpoints.bytes),
+            }
+            for name, (text, value) in gauges_too.items():
+                yield GaugeMetricFamily(name, text, value=value)
+            counters["butter_checkpoints_taken"] = ("Context checkpoints taken",
+                                                    checkpoints.taken)
+            counters["butter_checkpoints_skipped"] = (
+                "Context checkpoints not taken: no room in --cache-ram", checkpoints.skipped)
+            counters["butter_checkpoints_restored"] = ("Context checkpoints restored",
+                                                       checkpoints.restored)
+            counters["butter_checkpoint_restored_tokens"] = (
+                "Prompt tokens served by restored checkpoints", checkpoints.restored_tokens)
         for name, (text, value) in counters.items():
             yield CounterMetricFamily(name, text, value=value)
         buckets, total = engine.step_histogram()

@@ -182,9 +182,10 @@ class LlamaCppBackend:
         """How many rows a verifying step may have (docs/design/speculation.md, "Speculative
         decoding"): llama.cpp's CPU matmuls compute each row of a batch of fewer than
         EXACT_BATCH_ROWS as they would alone, but its repacked kernels multiply rows four
-        at a time from four rows on, where they round differently."""
-        if self.info.is_recurrent:
-            return 0, "a recurrent or hybrid model cannot take back rejected draft tokens"
+        at a time from four rows on, where they round differently. A hybrid model's
+        rejected drafts are taken back by checkpoint and replay (batch.py)."""
+        if ll.llama_model_is_recurrent(self.model.model):  # (Mamba: see test_speculation)
+            return 0, "a recurrent model cannot take back rejected draft tokens"
         repacked = any(Kernel.REPACKED.value in who
                        for who in self.model.layer_kernels.values())
         if repacked:
@@ -378,27 +379,22 @@ class LlamaCppBackend:
         ctx, data = self.model.ctx, op.data
         loaded = ll.llama_state_seq_set_data(ctx, _no_copy(data), len(data), op.seq)
         if loaded and op.checkpoint:
-            loaded = ll.llama_state_seq_set_data_ext(
-                ctx, _no_copy(op.checkpoint), len(op.checkpoint), op.seq,
-                ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            loaded = self.model.load_recurrent_state(op.seq, _no_copy(op.checkpoint),
+                                                     len(op.checkpoint))
         if not loaded or not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1):
             ll.llama_memory_seq_rm(self.model.mem, op.seq, -1, -1)  # (whatever it loaded)
             return Restored(op.seq, ok=False)
         return Restored(op.seq, ok=True)
 
     def save_checkpoint(self, op: SaveCheckpoint) -> Checkpointed:
-        ctx, flags = self.model.ctx, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = int(ll.llama_state_seq_get_size_ext(ctx, op.seq, flags))
-        buffer = (ctypes.c_uint8 * size)()
-        written = int(ll.llama_state_seq_get_data_ext(ctx, buffer, size, op.seq, flags))
+        buffer, written = self.model.save_recurrent_state(op.seq)
         return Checkpointed(op.seq, ctypes.string_at(buffer, written) if written else None)
 
     def restore_checkpoint(self, op: RestoreCheckpoint) -> Restored:
         """Recurrent state first: with it back at `keep`, llama.cpp's hybrid memory can cut
         the attention KV there (it refuses a cut inside the recurrent state's past)."""
-        ctx, data, mem = self.model.ctx, op.data, self.model.mem
-        loaded = ll.llama_state_seq_set_data_ext(
-            ctx, _no_copy(data), len(data), op.seq, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        data, mem = op.data, self.model.mem
+        loaded = self.model.load_recurrent_state(op.seq, _no_copy(data), len(data))
         if not loaded or not ll.llama_memory_seq_rm(mem, op.seq, op.keep, -1):
             ll.llama_memory_seq_rm(mem, op.seq, -1, -1)  # (whatever it loaded)
             return Restored(op.seq, ok=False)

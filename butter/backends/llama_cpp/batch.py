@@ -64,6 +64,27 @@ class DraftRows:
     start: int  # the work's first position
     rows: tuple[tuple[int, int], ...]  # (batch row, output ordinal), the sampled token's on
     draft: tuple[int, ...]
+    tokens: tuple[int, ...]  # the work's tokens, the draft's included
+
+    def kept_tokens(self, kept: int) -> tuple[int, ...]:
+        """The tokens whose cells stay in the cache when `kept` rows were sampled: those up
+        to the last kept row's (the last sample is the next step's input)."""
+        return self.tokens[:len(self.tokens) - len(self.rows) + kept]
+
+
+# A recurrent or hybrid model's state cannot be cut back to a position (its recurrent
+# layers hold one state per sequence, the last token's), so the rows of a rejected draft
+# cannot simply be forgotten. Such a model's drafting sequences are checkpointed before
+# the step that verifies their drafts (the recurrent state alone, PARTIAL_ONLY: the
+# attention KV can be cut where the recurrent state is back at or before the cut); where a
+# draft is rejected, its sequence gets that state back, its cache is cut to the work's
+# start, and the tokens it keeps are evaluated again (all such sequences of the step in
+# one more evaluation, without logits): the state then is what evaluating the kept tokens
+# alone leaves. On llama.cpp's CPU the gated delta net and the short and Mamba
+# convolutions run token after token whatever the step's width, so the state and the
+# cells are bit for bit those of decoding one token a step (tests/test_speculation.py).
+# The restore, the replay and the saves all fall inside the step's measured time, so
+# Speculation's cost model weighs them.
 
 
 @attrs.frozen
@@ -94,6 +115,13 @@ class Stepper:
         self.redone_steps = 0  # steps evaluated again because llama.cpp split them
         self.separated_steps = 0  # steps whose decode rows went first, on their own
         self._decode_seconds = 0.0  # llama_decode time of the current step
+        # A recurrent or hybrid model: drafting sequences are checkpointed before their
+        # drafts are verified, their kept tokens evaluated again after a rejection.
+        self.checkpoints_drafts = model.info.is_recurrent
+        self._checkpoints: dict[int, tuple[Any, int]] = {}  # seq -> (buffer, bytes)
+        self.replayed_steps = 0  # evaluations of the tokens rejected drafts kept
+        self.replayed_tokens = 0
+        self._logits_gone = False  # a replay came after the last decode's sampling
 
     def evaluate(self, works: list[SeqWork]) -> list[StepResult]:
         """Evaluate the works in the shape the layouts chooses; their sampled tokens."""
@@ -143,6 +171,10 @@ class Stepper:
         model = self._model
         sample_rows, draft_rows, score_rows, n_outputs, padded = self._fill_batch(
             works, outputs=outputs)
+        self._logits_gone = False
+        if draft_rows and self.checkpoints_drafts:
+            for draft in draft_rows:
+                self._checkpoint(draft.seq)
         head = model.lm_head
         armed = ours and head is not None and n_outputs <= head.rows
         status, verdict = self._evaluate(armed, n_outputs)
@@ -159,19 +191,54 @@ class Stepper:
         if status != 0:
             raise BackendError(f"llama_decode failed with status {status}")
         sampled: list[StepResult] = list(self._samplers.sample_rows(sample_rows, ours=self.ours))
+        rejected: list[SeqWork] = []
         for draft in draft_rows:
-            sampled += self._verified(draft)
-        return sampled + self._scored(score_rows)
+            verified = self._samplers.verify(draft.seq, draft.rows, draft.draft,
+                                             ours=self.ours)
+            sampled += verified
+            if len(verified) < len(draft.rows):
+                rejected += self._take_back(draft, len(verified))
+        sampled += self._scored(score_rows)  # (from this decode's logits: before a replay)
+        if rejected:
+            self._replay(rejected)
+        return sampled
 
-    def _verified(self, draft: DraftRows) -> list[StepResult]:
-        """A draft's rows sampled as far as they agree with it; the cache forgets the
-        positions after the last token kept (each sample's token is the next row's input
-        only where it equals the draft)."""
-        sampled = self._samplers.verify(draft.seq, draft.rows, draft.draft, ours=self.ours)
-        kept = len(sampled)
-        if kept < len(draft.rows):
-            ll.llama_memory_seq_rm(self._model.mem, draft.seq, draft.start + kept, -1)
-        return list(sampled)
+    def _take_back(self, draft: DraftRows, kept: int) -> list[SeqWork]:
+        """A draft's rows that were not kept leave the cache (each sample's token is the
+        next row's input only where it equals the draft). A recurrent or hybrid model's
+        sequence gets its checkpoint back instead, is cut to the work's start, and the
+        tokens it keeps are returned, to be evaluated again."""
+        model = self._model
+        kept_tokens = draft.kept_tokens(kept)
+        if not self.checkpoints_drafts:
+            ll.llama_memory_seq_rm(model.mem, draft.seq, draft.start + len(kept_tokens), -1)
+            return []
+        buffer, size = self._checkpoints[draft.seq]
+        # The recurrent state first: with it back before the cut, the cut is allowed.
+        if not (size and model.load_recurrent_state(draft.seq, buffer, size)
+                and ll.llama_memory_seq_rm(model.mem, draft.seq, draft.start, -1)):
+            raise BackendError(f"seq {draft.seq} could not be taken back to position "
+                               f"{draft.start} after its draft was rejected")
+        return [SeqWork(draft.seq, kept_tokens, draft.start, sample=False)]
+
+    def _checkpoint(self, seq: int) -> None:
+        """Save `seq`'s recurrent state (into its buffer of the last time, where it fits)."""
+        buffer, _ = self._checkpoints.get(seq, (None, 0))
+        self._checkpoints[seq] = self._model.save_recurrent_state(seq, buffer)
+
+    def _replay(self, works: list[SeqWork]) -> None:
+        """Evaluate the tokens rejected drafts kept, without logits (their samples are
+        taken), shaped as any step of their rows (a scratch row beside a lone one, where
+        exactness asks for it)."""
+        _, _, _, _, padded = self._fill_batch(works)
+        status, _ = self._evaluate(False, 0)
+        if padded:
+            ll.llama_memory_seq_rm(self._model.mem, self._model.pad_seq, -1, -1)
+        self._logits_gone = True  # (llama.cpp's output buffer now holds no rows)
+        if status != 0:
+            raise BackendError(f"llama_decode of kept draft tokens failed with status {status}")
+        self.replayed_steps += 1
+        self.replayed_tokens += sum(len(work.tokens) for work in works)
 
     def _scored(self, rows: list[ScoreRow]) -> list[StepResult]:
         """Each scoring work's logprobs, from its rows' logits."""
@@ -270,13 +337,18 @@ class Stepper:
                 row += 1
             if verifying:
                 draft_rows.append(DraftRows(work.seq, work.start, tuple(verifying),
-                                            work.tokens[first_sampled + 1:]))
+                                            work.tokens[first_sampled + 1:], work.tokens))
         batch.n_tokens = row
         return sample_rows, draft_rows, score_rows, n_outputs, padding > 0
 
     def step_logits(self, row: int) -> Any:
-        """A copy of the logits batch row `row` of the last decode was sampled from."""
+        """A copy of the logits batch row `row` of the last decode was sampled from (not
+        after a recurrent model's rejected draft: the replay of its kept tokens has
+        overwritten them)."""
         model = self._model
+        if self._logits_gone:
+            raise BackendError("the last step's logits are gone: a rejected draft's kept "
+                               "tokens were evaluated again after it")
         if self.ours and model.lm_head is not None:
             ordinal = sum(bool(model.batch.logits[earlier]) for earlier in range(row))
             return model.lm_head.row(ordinal).copy()

@@ -322,6 +322,24 @@ class LlamaModel:
         finally:
             ll.llama_memory_seq_rm(self.mem, self.pad_seq, -1, -1)
 
+    def save_recurrent_state(self, seq: int, buffer: Any = None) -> tuple[Any, int]:
+        """`seq`'s checkpoint: its recurrent state alone (PARTIAL_ONLY: a hybrid's attention
+        KV stays out), written into `buffer` where it fits, else into a new one. Returns the
+        buffer (a ctypes byte array) and the bytes written (0: nothing was saved)."""
+        flags = ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = int(ll.llama_state_seq_get_size_ext(self.ctx, seq, flags))
+        if buffer is None or len(buffer) < size:
+            buffer = (ctypes.c_uint8 * size)()
+        return buffer, int(ll.llama_state_seq_get_data_ext(self.ctx, buffer, size, seq, flags))
+
+    def load_recurrent_state(self, seq: int, data: Any, size: int) -> bool:
+        """Put `size` bytes of a checkpoint (save_recurrent_state's) back as `seq`'s
+        recurrent state. False where llama.cpp refused it (it then cleared that state).
+        A hybrid's attention KV can be cut back only once this is done: its memory refuses
+        a cut inside the recurrent state's past."""
+        return bool(ll.llama_state_seq_set_data_ext(
+            self.ctx, data, size, seq, ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+
     def _probe_logits(self, tokens: list[int], *, armed: bool) -> Any:
         """Logits of every probe token, computed by butter (armed) or by llama.cpp."""
         assert self.lm_head is not None
