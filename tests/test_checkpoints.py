@@ -1,5 +1,6 @@
 """Context checkpoints (#51): a hybrid model's cached prompts are cut back to a checkpoint
-of their recurrent state, on the real engine over real hybrid GGUFs (qwen35 and lfm2)."""
+of their recurrent state, on the real engine over real hybrid GGUFs (qwen35 and lfm2) and a
+purely recurrent one (mamba)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_message_starts_hinted_are_the_last_two_and_earlier_ones_spaced_apart() 
 # ---------------------------------------------------------------------- the engine
 
 
-@pytest.fixture(scope="module", params=["qwen35", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen35", "lfm2", "mamba"])
 def resident(request: pytest.FixtureRequest) -> Iterator[ResidentModel]:
     path: Path = request.getfixturevalue(f"tiny_{request.param}_gguf")
     model = ResidentModel.load_sync(ServeSettings(

@@ -196,11 +196,9 @@ class PrefixCache:
     def _checkpoint(self, sequence: KvSequence) -> None:
         """Queue a checkpoint of the sequence as it stands, if the budget has room."""
         length = len(sequence.kv_tokens)
-        frees = 0
-        if len(sequence.checkpoints) >= self.checkpoints_per_sequence and \
-                all(c.n_tokens != length for c in sequence.checkpoints):
-            frees = self.checkpoint_size  # (one of its own gives way)
-        if not self._room_for_checkpoint(sequence, self.checkpoint_size - frees):
+        # (room for a whole one, even where one of its own then gives way: that one may
+        # be shared with a copy, and free nothing)
+        if not self._room_for_checkpoint(sequence, self.checkpoint_size):
             self.checkpoint_stats.skipped += 1
             return
         self._ops.append(SaveCheckpoint(sequence.seq))
