@@ -13,12 +13,23 @@ slot (butter --parallel 1, llama-server -np 1: the issue's setting; llama-server
 --cache-ram stays at its default 8192 MiB, butter's --cache-ram at its default), the same
 threads, greedy sampling.
 
+``--variants`` runs each case in more than one way (#51): ``default`` (the template's own
+thinking default), ``thinking-on`` and ``thinking-off`` (``chat_template_kwargs``), and
+``tools`` (``serve-bench --tool-rounds``: an agent's tool call and result after every
+answer); ``--cases`` picks the conversations, history sizes and contexts instead of the
+default set. A hybrid model's run records butter's context checkpoints (``/v1/server``).
+
 Usage (from the repository root)::
 
     SERVER_DIR=llama-server-noamx benchmarks/build_llama_server.sh   # (see RESULTS.md)
     python benchmarks/prefix_cache.py \\
         --llama-server benchmarks/.build/llama-server-noamx/bin/llama-server \\
         --markdown /tmp/prefix_cache.md --json /tmp/prefix_cache.json
+
+    # Qwen3.5 (a hybrid), ~1k and ~5k-token histories, thinking on and off, tool rounds:
+    python benchmarks/prefix_cache.py --model qwen3.5.gguf --no-gemma-template \
+        --cases 2x1000@8192,2x5000@16384 --side-requests 1 \
+        --variants default,thinking-off,tools
 """
 
 from __future__ import annotations
@@ -51,6 +62,15 @@ from benchmarks.harness import (
 
 HOST = "127.0.0.1"
 
+# What each --variants name adds to serve-bench's command line.
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "thinking-on": ["--enable-thinking"],
+    "thinking-off": ["--no-enable-thinking"],
+    "tools": ["--tool-rounds"],
+    "tools-thinking-off": ["--tool-rounds", "--no-enable-thinking"],
+}
+
 
 def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
     return ServerSpec("butter", [
@@ -76,7 +96,8 @@ def interleave(base_url: str, model: str, case: dict[str, Any], out: Path,
             "--interleave", str(case["conversations"]), "--side-requests",
             str(case["side_requests"]), "--history-tokens", str(case["history_tokens"]),
             "--turns", str(case["turns"]), "--max-tokens", str(args.max_tokens),
-            "--temperature", "0", "--timeout", "900", "--json", str(out)]
+            "--temperature", "0", "--timeout", "900", "--json", str(out),
+            *VARIANTS[case.get("variant", "default")]]
     subprocess.run(argv, check=True)
     (record,) = json.loads(out.read_text())
     return dict(record)
@@ -88,15 +109,18 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
     spec = (butter_spec if name == "butter" else llama_server_spec)(args, port, case["context"])
     base_url = f"http://{HOST}:{port}"
     label = f"{name}-k{case['conversations']}-h{case['history_tokens']}"
+    if case.get("variant", "default") != "default":
+        label += f"-{case['variant']}"
     with running_server(spec, log_dir / f"{label}.log") as proc:
         wait_ready(proc, base_url, spec.ready_path, timeout=300)
         started = time.monotonic()
         model = args.model_id if name == "butter" else served_model_id(base_url)
         record = interleave(base_url, model, case, log_dir / f"{label}.json", args)
         record["wall_s"] = round(time.monotonic() - started, 1)
-        if name == "butter":  # where its cached prompts were served from
+        if name == "butter":  # where its cached prompts were served from, and its kernels
             info = httpx.get(base_url + "/v1/server", timeout=10).json()
             record["prefix_cache"] = info["prefix_cache"]
+            record["layer_matmuls"] = info["model"]["meta"].get("layer_matmuls")
     record["server_name"] = name
     record["case"] = case
     return record
@@ -111,23 +135,53 @@ def restored(record: dict[str, Any]) -> str:
     return "-" if not host else f"{host['restored']} ({host['restored_tokens']} tok)"
 
 
+def checkpointed(record: dict[str, Any]) -> str:
+    """butter's context checkpoints (hybrid and recurrent models): taken / restored
+    (prompt tokens they served)."""
+    points = (record.get("prefix_cache") or {}).get("checkpoints")
+    if not points or not points.get("per_sequence"):
+        return "-"
+    return f"{points['taken']} / {points['restored']} ({points['restored_tokens']} tok)"
+
+
+def workload(case: dict[str, Any]) -> str:
+    text = f"K={case['conversations']}, {case['history_tokens']}-token histories"
+    variant = case.get("variant", "default")
+    return text if variant == "default" else f"{text}, {variant}"
+
+
 def rows(records: Sequence[dict[str, Any]]) -> list[list[str]]:
     out = []
     for r in records:
-        case = r["case"]
         share = r["returning_cached_share"]
         out.append([
-            f"K={case['conversations']}, {case['history_tokens']}-token histories",
-            r["server_name"], "-" if share is None else f"{share:.1%}",
+            workload(r["case"]), r["server_name"], "-" if share is None else f"{share:.1%}",
             fmt(r["returning_ttft_p50"]), fmt(r["returning_ttft_p95"]),
             fmt(r["first_turn_ttft_p50"]), fmt(r["side_ttft_p50"]), restored(r),
-            str(r["http_errors"]),
+            checkpointed(r), str(r["http_errors"]),
         ])
     return out
 
 
 HEADERS = ["workload", "server", "returning prompt cached", "returning TTFT p50 s", "p95 s",
-           "first-turn TTFT p50 s", "side TTFT p50 s", "butter host restores", "errors"]
+           "first-turn TTFT p50 s", "side TTFT p50 s", "butter host restores",
+           "butter checkpoints taken / restored", "errors"]
+
+
+def parse_cases(spec: str, context: int) -> list[tuple[int, int, int]]:
+    """``KxHISTORY[@CONTEXT],...`` → (conversations, history tokens, context) each; the
+    context defaults to ``context``."""
+    cases = []
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        try:
+            shape, _, size = item.partition("@")
+            k, history = shape.lower().split("x")
+            cases.append((int(k), int(history), int(size) if size else context))
+        except ValueError:
+            raise SystemExit(f"--cases: {item!r} is not KxHISTORY[@CONTEXT]") from None
+    if not cases:
+        raise SystemExit("--cases names no case")
+    return cases
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -148,6 +202,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--long-history-tokens", type=int, default=15000,
                         help="the Claude-Code-sized case: 2 conversations this long "
                              "(0: skip it)")
+    parser.add_argument("--cases", metavar="KxHISTORY[@CONTEXT],...",
+                        help="these cases instead of --conversations at --history-tokens and "
+                             "the long case, e.g. 2x1000@8192,2x5000@16384 (CONTEXT: "
+                             "default --context)")
+    parser.add_argument("--variants", default="default",
+                        help="comma-separated, each case runs once per variant: "
+                             f"{', '.join(VARIANTS)} (default %(default)s)")
     parser.add_argument("--gemma-template", action=argparse.BooleanOptionalAction,
                         default=True, help="llama-server --no-jinja --chat-template gemma "
                                            "(the demo GGUF has no template of its own)")
@@ -162,18 +223,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
         args.model_path = str(resolve_model(args.model))
     args.model_id = args.model_id or args.model
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown or not args.variants:
+        parser.error(f"--variants: {', '.join(unknown) or 'none given'}; choose from "
+                     f"{', '.join(VARIANTS)}")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cases = [{"conversations": int(k), "side_requests": args.side_requests,
-              "history_tokens": args.history_tokens, "turns": args.turns,
-              "context": args.context} for k in args.conversations.split(",")]
-    if args.long_history_tokens:
-        cases.append({"conversations": 2, "side_requests": args.side_requests,
-                      "history_tokens": args.long_history_tokens, "turns": 3,
-                      "context": 2 ** (args.long_history_tokens + 1024).bit_length()})
+    if args.cases:
+        cases = [{"conversations": k, "side_requests": args.side_requests,
+                  "history_tokens": history, "turns": args.turns, "context": context}
+                 for k, history, context in parse_cases(args.cases, args.context)]
+    else:
+        cases = [{"conversations": int(k), "side_requests": args.side_requests,
+                  "history_tokens": args.history_tokens, "turns": args.turns,
+                  "context": args.context} for k in args.conversations.split(",")]
+        if args.long_history_tokens:
+            cases.append({"conversations": 2, "side_requests": args.side_requests,
+                          "history_tokens": args.long_history_tokens, "turns": 3,
+                          "context": 2 ** (args.long_history_tokens + 1024).bit_length()})
+    cases = [{**case, "variant": variant} for case in cases for variant in args.variants]
     names = [args.only] if args.only else ["butter", "llama-server"]
     records = [run_case(name, case, args, args.log_dir) for case in cases for name in names]
     table = md_table(HEADERS, rows(records))

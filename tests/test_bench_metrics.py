@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from butter.bench.metrics import (
+    SIDE_MARKER,
     Timeline,
+    interleave_report,
     leaked_markers,
     level_report,
     percentile,
@@ -86,3 +88,27 @@ def test_requests_without_usage_are_counted() -> None:
     t = timeline(0, 0, 0.1, 1, 7, usage_missing=True)
     report = level_report(1, [[t, timeline(1, 0, 0.1, 1, 5)]])
     assert report.usage_missing == 1 and report.completion_tokens == 12
+
+
+def test_an_interleaved_turn_answered_with_reasoning_alone_has_a_ttft() -> None:
+    """A thinking model's short answer may be all reasoning (no content): its TTFT is its
+    first delta of any kind, as a tool call's is."""
+
+    def turn(marker: str, turn: int, start: float, **firsts: float) -> Timeline:
+        return Timeline(lane=0, wave=0, marker=marker, turn=turn, start=start, end=start + 2,
+                        status=200, prompt_tokens=1000, cached_tokens=900 if turn else 0,
+                        **firsts)  # type: ignore[arg-type]
+
+    report = interleave_report(1, 1, [
+        turn("conv0", 0, 0.0, first_reasoning=3.0),
+        turn(SIDE_MARKER, 0, 10.0, first_output=10.25),
+        turn("conv0", 1, 20.0, first_reasoning=20.5),  # reasoning only
+        turn("conv0", 2, 30.0, first_output=31.0, first_reasoning=30.75),  # reasoning first
+        turn("conv0", 3, 40.0, first_output=40.5),  # a tool call or content
+    ], enable_thinking=None, tool_rounds=True)
+    assert report.first_turn_ttft_p50 == pytest.approx(3.0)
+    assert report.returning_ttft_p50 == pytest.approx(0.5)
+    assert report.returning_ttft_p95 == pytest.approx(0.725)
+    assert report.side_ttft_p50 == pytest.approx(0.25)
+    assert report.returning_cached_share == pytest.approx(0.9)
+    assert report.tool_rounds and report.enable_thinking is None

@@ -4,6 +4,7 @@ server on the tiny GGUF, and the replay file format."""
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import subprocess
@@ -12,11 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
 
-from butter.bench.client import BenchConfig, stream_chat
+from butter.bench.client import BenchConfig, sampling_fields, stream_chat
+from butter.bench.interleave import TOOL_NAME, InterleaveConfig, after_answer, turn_payload
 from butter.bench.metrics import CACHE_FROM_USAGE, Timeline, longest_stall, tokens_between
 from butter.bench.replay import (
     ReplayFileError,
@@ -146,6 +149,26 @@ def test_interleaved_conversations_keep_their_caches_amid_side_requests(
     assert "butter_host_cache_bytes" in metrics
 
 
+def test_interleaved_tool_rounds_without_thinking_are_served_and_cached(
+    one_session_server: ServerProcess, tmp_path: Path
+) -> None:
+    server = one_session_server
+    out = tmp_path / "interleave.json"
+    result = bench("--model", "tiny", "--base-url", server.api, "--interleave", "2",
+                   "--side-requests", "1", "--history-tokens", "300", "--turns", "3",
+                   "--max-tokens", "8", "--temperature", "0", "--tool-rounds",
+                   "--no-enable-thinking", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    [record] = json.loads(out.read_text())
+    assert (record["requests"], record["http_errors"], record["turns"]) == (12, 0, 3)
+    assert (record["tool_rounds"], record["enable_thinking"]) == (True, False)
+    assert "tool rounds" in result.stdout and "thinking off" in result.stdout
+    # The answer comes back re-rendered with a call it never generated: what precedes it
+    # (the tools' system block, the history, the earlier rounds) is still cached.
+    assert record["returning_cached_share"] > 0.8
+    assert record["returning_ttft_p50"] is not None
+
+
 def test_a_bad_replay_file_is_a_clear_error(tmp_path: Path) -> None:
     replay = tmp_path / "bad.jsonl"
     replay.write_text(json.dumps(conversation(0, 1)) + "\n{not json\n")
@@ -210,6 +233,42 @@ def test_requests_are_tagged_dealt_and_completed() -> None:
     assert tag_messages(body["messages"], "") is body["messages"]
     parsed = parse_replay(lines(*({**GOOD, "id": str(i)} for i in range(5))), "f")
     assert [[c.id for c in lane] for lane in deal(parsed, 2)] == [["0", "2", "4"], ["1", "3"]]
+
+
+def test_enable_thinking_rides_on_every_request_when_set() -> None:
+    config = BenchConfig(base_url="http://x/v1", model="m", concurrency=(1,), max_tokens=5,
+                         temperature=0.0, top_p=1.0, waves=1)
+    assert "chat_template_kwargs" not in sampling_fields(config)  # the template's default
+    off = attrs.evolve(config, enable_thinking=False)
+    assert sampling_fields(off)["chat_template_kwargs"] == {"enable_thinking": False}
+    # A replayed body keeps its own template arguments; the flag's enable_thinking wins.
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}],
+                            "chat_template_kwargs": {"enable_thinking": True, "effort": 2}}
+    assert request_payload(off, body, "")["chat_template_kwargs"] == {
+        "enable_thinking": False, "effort": 2}
+    assert request_payload(config, body, "")["chat_template_kwargs"] == {
+        "enable_thinking": True, "effort": 2}
+
+
+def test_an_interleaved_tool_round_is_a_structured_call_and_its_result() -> None:
+    config = BenchConfig(base_url="http://x/v1", model="m", concurrency=(1,), max_tokens=5,
+                         temperature=0.0, top_p=1.0, waves=1)
+    plain = InterleaveConfig(conversations=2, side_requests=1, history_tokens=10, turns=2)
+    agent = attrs.evolve(plain, tool_rounds=True)
+    assert after_answer(plain, 1, 0, "ok") == [{"role": "assistant", "content": "ok"}]
+    call, result = after_answer(agent, 1, 2, "")
+    assert call["role"] == "assistant" and call["content"] == ""
+    [entry] = call["tool_calls"]
+    assert entry["type"] == "function" and entry["function"]["name"] == TOOL_NAME
+    assert json.loads(entry["function"]["arguments"]) == {"number": 2}  # a JSON string
+    assert result["role"] == "tool" and result["tool_call_id"] == entry["id"]
+    assert result["content"]
+    assert after_answer(agent, 0, 2, "")[0]["tool_calls"][0]["id"] != entry["id"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert "tools" not in turn_payload(config, plain, messages)
+    payload = turn_payload(config, agent, messages)
+    [tool] = payload["tools"]
+    assert tool["function"]["name"] == TOOL_NAME and payload["messages"] is messages
 
 
 def test_window_arithmetic() -> None:
@@ -283,3 +342,24 @@ async def test_a_dropped_reused_connection_is_retried_once() -> None:
         nursery.cancel_scope.cancel()
     assert first.ok and first.retries == 0 and first.text == "hi"
     assert second.ok and second.retries == 1 and second.completion_tokens == 1
+
+
+def test_prefix_cache_benchmark_cases_and_variants() -> None:
+    prefix_cache = importlib.import_module("benchmarks.prefix_cache")  # (a script)
+    assert prefix_cache.parse_cases("2x1000@8192, 4X5000", 4096) == [
+        (2, 1000, 8192), (4, 5000, 4096)]
+    for bad in ("2x", "1000@8192", "x"):
+        with pytest.raises(SystemExit):
+            prefix_cache.parse_cases(bad, 4096)
+    args = prefix_cache.parse_args(["--model", "m.gguf", "--model-path", "m.gguf",
+                                    "--variants", "default,tools,thinking-off"])
+    assert args.variants == ["default", "tools", "thinking-off"]
+    assert prefix_cache.VARIANTS["tools"] == ["--tool-rounds"]
+    with pytest.raises(SystemExit):
+        prefix_cache.parse_args(["--model-path", "m.gguf", "--variants", "tool"])
+    record = {"prefix_cache": {"checkpoints": {"per_sequence": 8, "taken": 29, "restored": 7,
+                                                "restored_tokens": 6066}}}
+    assert prefix_cache.checkpointed(record) == "29 / 7 (6066 tok)"
+    assert prefix_cache.checkpointed({}) == "-"
+    assert prefix_cache.workload({"conversations": 2, "history_tokens": 1000,
+                                  "variant": "tools"}) == "K=2, 1000-token histories, tools"

@@ -41,6 +41,9 @@ class BenchConfig:
     long_prompt: str | None = None
     long_prompt_lanes: int = 0
     timeout: float = 300.0
+    # chat_template_kwargs.enable_thinking on every request; None: not sent (the
+    # template's default)
+    enable_thinking: bool | None = None
 
 
 async def server_info(client: httpx.AsyncClient, config: BenchConfig) -> dict[str, Any]:
@@ -198,10 +201,13 @@ async def stream_chat(
 
 def sampling_fields(config: BenchConfig) -> dict[str, Any]:
     """What every serve-bench request carries besides its messages and max_tokens."""
-    return {
+    fields: dict[str, Any] = {
         "model": config.model, "stream": True, "stream_options": {"include_usage": True},
         "temperature": config.temperature, "top_p": config.top_p,
     }
+    if config.enable_thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": config.enable_thinking}
+    return fields
 
 
 async def run_request(

@@ -54,6 +54,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     bench.add_argument("--long-prompt-lanes", type=int, default=0,
                        help="lanes per wave that use --long-prompt")
     bench.add_argument("--timeout", type=float, default=300.0, help="per request, seconds")
+    bench.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="send chat_template_kwargs.enable_thinking on every request "
+                            "(default: not sent, the template's own default)")
     bench.add_argument("--json", type=Path, help="write one record per level here")
     bench.add_argument("--plot", type=Path, help="write a PNG plot here (extra [plot])")
     workload = bench.add_mutually_exclusive_group()
@@ -84,6 +88,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "first prompt (default %(default)s)")
     bench.add_argument("--turns", type=int, default=4,
                        help="--interleave: requests per conversation (default %(default)s)")
+    bench.add_argument("--tool-rounds", action="store_true",
+                       help="--interleave: every turn offers a tool, and every answer comes "
+                            "back as an assistant message calling it (structured tool_calls) "
+                            "followed by the tool's result, as an agent's")
     bench.add_argument("--arrival-max-tokens", type=int, default=16,
                        help="the long request's max_tokens (default %(default)s)")
     bench.add_argument("--arrival-settle", type=float, default=1.0,
@@ -108,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         waves=args.waves, shared_prompt=args.shared_prompt, long_prompt=args.long_prompt,
         long_prompt_lanes=args.long_prompt_lanes, timeout=args.timeout,
+        enable_thinking=args.enable_thinking,
     )
 
 
@@ -212,7 +221,8 @@ def run_interleave_command(args: argparse.Namespace, config: BenchConfig) -> int
         return 2
     interleave = InterleaveConfig(conversations=args.interleave,
                                   side_requests=args.side_requests,
-                                  history_tokens=args.history_tokens, turns=args.turns)
+                                  history_tokens=args.history_tokens, turns=args.turns,
+                                  tool_rounds=args.tool_rounds)
     total = args.interleave * args.turns * (1 + args.side_requests)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("interleave", total=total)
@@ -225,7 +235,9 @@ def run_interleave_command(args: argparse.Namespace, config: BenchConfig) -> int
         except BenchError as exc:
             console.print(f"[red]serve-bench: {exc}[/red]")
             return 2
-    report = interleave_report(args.interleave, args.side_requests, timelines)
+    report = interleave_report(args.interleave, args.side_requests, timelines,
+                               enable_thinking=args.enable_thinking,
+                               tool_rounds=args.tool_rounds)
     print_interleave(report, Console())
     if args.json:
         write_json(args.json, [report], sys.argv, server)

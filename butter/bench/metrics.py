@@ -382,7 +382,9 @@ SIDE_MARKER = "side"  # the marker of `--interleave`'s side requests (conversati
 @attrs.frozen
 class InterleaveReport:
     """`serve-bench --interleave`: returning turns are a conversation's requests after its
-    first, each sent after other conversations' turns and side requests."""
+    first, each sent after other conversations' turns and side requests. A TTFT is to the
+    first output of any kind (content, reasoning or a tool call: a thinking model's short
+    answer may be reasoning alone)."""
 
     conversations: int
     side_requests: int
@@ -398,10 +400,13 @@ class InterleaveReport:
     side_ttft_p50: float | None
     cached_source: str
     errors: list[str]
+    enable_thinking: bool | None = None  # what requests sent (None: not sent)
+    tool_rounds: bool = False  # answers came back as tool calls, with the tools' results
 
 
-def interleave_report(conversations: int, side_requests: int,
-                      timelines: Sequence[Timeline]) -> InterleaveReport:
+def interleave_report(conversations: int, side_requests: int, timelines: Sequence[Timeline],
+                      enable_thinking: bool | None = None,
+                      tool_rounds: bool = False) -> InterleaveReport:
     ok = [t for t in timelines if t.ok]
     turns = [t for t in ok if t.marker != SIDE_MARKER]
     returning = [t for t in turns if t.turn > 0]
@@ -422,4 +427,5 @@ def interleave_report(conversations: int, side_requests: int,
         first_turn_ttft_p50=percentile(ttfts([t for t in turns if t.turn == 0]), 50),
         side_ttft_p50=percentile(ttfts([t for t in ok if t.marker == SIDE_MARKER]), 50),
         cached_source=cache_source(returning), errors=error_samples(timelines),
+        enable_thinking=enable_thinking, tool_rounds=tool_rounds,
     )

@@ -138,10 +138,16 @@ def tag_messages(messages: list[dict[str, Any]], tag: str) -> list[dict[str, Any
 
 def request_payload(config: BenchConfig, body: dict[str, Any], tag: str) -> dict[str, Any]:
     """The recorded body, tagged, with serve-bench's streaming and sampling fields (the
-    flags' temperature and top_p win) and --max-tokens where the body has none."""
+    flags' temperature, top_p and enable_thinking win) and --max-tokens where the body has
+    none."""
     payload = {**body, "messages": tag_messages(body["messages"], tag)}
     payload.setdefault("max_tokens", config.max_tokens)
-    return {**payload, **sampling_fields(config)}
+    fields = sampling_fields(config)
+    if isinstance(body.get("chat_template_kwargs"), dict) and "chat_template_kwargs" in fields:
+        # (the body's own template arguments stay, the flag's enable_thinking wins)
+        fields["chat_template_kwargs"] = {**body["chat_template_kwargs"],
+                                          **fields["chat_template_kwargs"]}
+    return {**payload, **fields}
 
 
 async def replay_lane(

@@ -141,8 +141,12 @@ def _print_errors(errors: Sequence[str], console: Console) -> None:
 
 
 def interleave_table(r: InterleaveReport) -> Table:
+    variant = "".join([
+        "" if r.enable_thinking is None else
+        f", thinking {'on' if r.enable_thinking else 'off'}",
+        ", tool rounds" if r.tool_rounds else ""])
     out = Table(title=f"butter serve-bench --interleave: {r.conversations} conversations, "
-                      f"{r.side_requests} side requests per answer, {r.turns} turns")
+                      f"{r.side_requests} side requests per answer, {r.turns} turns{variant}")
     columns = ["requests", "errors", "returning prompt tok", "cached share",
                "returning TTFT p50", "p95", "first-turn TTFT p50", "side TTFT p50"]
     for column in columns:
