@@ -18,6 +18,8 @@ thinking default), ``thinking-on`` and ``thinking-off`` (``chat_template_kwargs`
 ``tools`` (``serve-bench --tool-rounds``: an agent's tool call and result after every
 answer); ``--cases`` picks the conversations, history sizes and contexts instead of the
 default set. A hybrid model's run records butter's context checkpoints (``/v1/server``).
+Each run records the cores other processes took meanwhile (``--wait-quiet`` waits for a
+quieter machine first).
 
 Usage (from the repository root)::
 
@@ -51,12 +53,15 @@ from benchmarks.harness import (
     DEFAULT_LLAMA_SERVER_BIN,
     SERVE_BENCH,
     ServerSpec,
+    cpu_sample,
+    cpu_window,
     free_port,
     llama_server_argv,
     md_table,
     run_meta,
     running_server,
     served_model_id,
+    wait_quiet,
     wait_ready,
 )
 
@@ -113,10 +118,13 @@ def run_case(name: str, case: dict[str, Any], args: argparse.Namespace,
         label += f"-{case['variant']}"
     with running_server(spec, log_dir / f"{label}.log") as proc:
         wait_ready(proc, base_url, spec.ready_path, timeout=300)
-        started = time.monotonic()
+        wait_quiet(proc.pid, args.wait_quiet, args.wait_quiet_s, label)
+        started, cpu = time.monotonic(), cpu_sample(proc.pid)
         model = args.model_id if name == "butter" else served_model_id(base_url)
         record = interleave(base_url, model, case, log_dir / f"{label}.json", args)
         record["wall_s"] = round(time.monotonic() - started, 1)
+        # cores that other processes took meanwhile (the machine is shared: harness.py)
+        record["other_cores"] = round(cpu_window(cpu, cpu_sample(proc.pid)).other_cores, 2)
         if name == "butter":  # where its cached prompts were served from, and its kernels
             info = httpx.get(base_url + "/v1/server", timeout=10).json()
             record["prefix_cache"] = info["prefix_cache"]
@@ -158,14 +166,14 @@ def rows(records: Sequence[dict[str, Any]]) -> list[list[str]]:
             workload(r["case"]), r["server_name"], "-" if share is None else f"{share:.1%}",
             fmt(r["returning_ttft_p50"]), fmt(r["returning_ttft_p95"]),
             fmt(r["first_turn_ttft_p50"]), fmt(r["side_ttft_p50"]), restored(r),
-            checkpointed(r), str(r["http_errors"]),
+            checkpointed(r), fmt(r.get("other_cores")), str(r["http_errors"]),
         ])
     return out
 
 
 HEADERS = ["workload", "server", "returning prompt cached", "returning TTFT p50 s", "p95 s",
            "first-turn TTFT p50 s", "side TTFT p50 s", "butter host restores",
-           "butter checkpoints taken / restored", "errors"]
+           "butter checkpoints taken / restored", "other load (cores)", "errors"]
 
 
 def parse_cases(spec: str, context: int) -> list[tuple[int, int, int]]:
@@ -214,6 +222,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                                            "(the demo GGUF has no template of its own)")
     parser.add_argument("--butter-arg", action="append", default=[],
                         help="one more butter serve argument (repeatable)")
+    parser.add_argument("--wait-quiet", type=float, default=0.0, metavar="CORES",
+                        help="before each run, wait until other processes use fewer cores "
+                             "than this (0: do not wait; the run records what they took)")
+    parser.add_argument("--wait-quiet-s", type=float, default=300.0,
+                        help="wait at most this long for --wait-quiet (default %(default)s)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-prefix-cache"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
