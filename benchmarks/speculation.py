@@ -23,6 +23,15 @@ drafted / accepted tokens from ``/v1/server``.
 Usage (from the repository root, after benchmarks/build_llama_server.sh)::
 
     python benchmarks/speculation.py --markdown /tmp/spec.md --json /tmp/spec.json
+
+On a hybrid model (Qwen3.5, LFM2: recurrent layers whose rejected drafts butter takes back
+by checkpoint and replay, butter/backends/llama_cpp/batch.py), give its GGUF to every
+workload; ``/v1/server``'s ``speculation`` says whether it drafts, and why not (a hybrid
+whose float matrices llama.cpp multiplies does not)::
+
+    python benchmarks/speculation.py --copy-model Qwen3.5-0.8B-Q4_K_M.gguf \
+        --chat-model Qwen3.5-0.8B-Q4_K_M.gguf --workloads copy,edit,chat \
+        --servers "butter,butter --draft-max 0" --interleave
 """
 
 from __future__ import annotations
@@ -391,6 +400,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="labels, comma-separated")
     parser.add_argument("--copy-model", help="a GGUF for the copy workload instead of the demo "
                         "(e.g. a benchmarks/model_matrix.py file)")
+    parser.add_argument("--chat-model", help="a GGUF with a chat template for the edit, chat "
+                        "and story workloads instead of the instruct model (e.g. a hybrid)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--interleave", action="store_true",
                         help="run the servers side by side, their rounds in turns")
@@ -414,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload = WORKLOADS[name]
         if name == "copy" and args.copy_model:
             workload = replace(workload, model=args.copy_model)
+        elif name != "copy" and args.chat_model:
+            workload = replace(workload, model=args.chat_model)
         for clients in (int(c) for c in args.clients.split(",")):
             groups = [servers] if args.interleave else [[server] for server in servers]
             for group in groups:

@@ -20,8 +20,11 @@ from scipy.stats import chisquare
 
 from butter.backends.base import (
     Backend,
+    BackendError,
+    Checkpointed,
     RemoveTokens,
     Sampled,
+    SaveCheckpoint,
     Saved,
     SaveSequence,
     SeqWork,
@@ -39,6 +42,7 @@ from butter.errors import ModelLoadError
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
+from butter.testing import tiny_hybrid
 from butter.testing.tiny_gguf import N_LAYER
 from tests.backend_steps import generate_greedy
 from tests.conftest import INSTRUCT_MODEL, ServerProcess, start_instruct_server
@@ -380,11 +384,200 @@ def test_butter_computes_decode_attention_whatever_the_thread_count(
 
 
 def test_a_recurrent_model_does_not_speculate(tiny_mamba_gguf: Path) -> None:
+    # (A step of several tokens leaves the tiny Mamba's state other bits than one token a
+    # step does, even with a scratch row beside lone rows: its drafts would show.)
     backend = LlamaCppBackend(tiny_mamba_gguf, n_cells=512, n_seq=1, n_batch=64, threads=2)
     try:
         engine = Engine(backend, parallel=1, max_context=512, prefill_chunk=64, max_queue=1,
                         draft_max=8)
         assert engine.speculation_off is not None and "recurrent" in engine.speculation_off
+    finally:
+        backend.close()
+
+
+# ---------------------------------------------------------------- hybrid models
+#
+# A hybrid (recurrent and attention layers) cannot cut its recurrent state back to a
+# position: a step that verifies drafts checkpoints the drafting sequences' recurrent state
+# first, and where a draft is rejected, restores it, cuts the attention cache and evaluates
+# the kept tokens again (butter/backends/llama_cpp/batch.py). The tiny Qwen3.5 (gated delta
+# net) and LFM2 (short convolution) stand for the two kinds of recurrent layer.
+
+HYBRID_PROMPT = "The quick brown fox jumps over the lazy dog."
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen35_q8_gates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3.5 with its delta nets' alpha and beta matrices in Q8_0, as llama.cpp's
+    quantizer stores them in a Q4_K_M file (the fixture keeps them F32, on which llama.cpp
+    computes a lone row and several rows differently: see the test below)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tiny_hybrid, "_QUANTIZED",
+                      (*tiny_hybrid._QUANTIZED, "ssm_alpha.weight", "ssm_beta.weight"))
+        return tiny_hybrid.write_tiny_qwen35_gguf(
+            tmp_path_factory.mktemp("qwen35-q8") / "tiny-qwen35-q8-gates.gguf")
+
+
+@pytest.fixture(scope="module", params=["qwen35", "lfm2"])
+def hybrid(request: pytest.FixtureRequest) -> Iterator[LlamaCppBackend]:
+    """A tiny hybrid served for speculation: two sequences, llama.cpp's own kernels."""
+    fixture = {"qwen35": "tiny_qwen35_q8_gates", "lfm2": "tiny_lfm2_gguf"}[request.param]
+    backend = LlamaCppBackend(request.getfixturevalue(fixture), n_cells=2048, n_seq=2,
+                              n_batch=264, threads=2)
+    yield backend
+    backend.close()
+
+
+def draft_from(monkeypatch: pytest.MonkeyPatch, runs: Sequence[Run], prompt: Sequence[int],
+               every: int = 5) -> None:
+    """Prompt lookup proposes, instead of its n-grams' continuations, what a run without
+    drafts generated next (the run whose tokens the sequence's agree with), with one token
+    in `every` changed, at a place that moves with the sequence's length: steps keep 0 to
+    `every` - 1 draft tokens and reject the others (random weights copy nothing)."""
+    texts = [[*prompt, *run.kv_tokens[len(prompt):]] for run in runs]
+
+    def propose(self: PromptLookup, limit: int) -> tuple[int, ...]:
+        seen = self._tokens
+        for tokens in texts:
+            if tokens[:len(seen)] == seen:
+                guess = tokens[len(seen):len(seen) + limit]
+                wrong = len(seen) % every
+                if wrong < len(guess):
+                    guess[wrong] = (guess[wrong] + 1) % 512
+                return tuple(guess)
+        return ()
+
+    monkeypatch.setattr(PromptLookup, "propose", propose)
+
+
+HYBRID_PARAMS = [SamplingParams(temperature=0.0, logprobs=2),
+                 SamplingParams(temperature=0.9, seed=3, logprobs=2)]
+
+
+async def test_a_hybrid_speculates_and_its_outputs_and_cache_do_not_change(
+    hybrid: LlamaCppBackend, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert hybrid.speculation_off is None and hybrid.draft_rows == EXACT_BATCH_ROWS - 1
+    stepper = hybrid.stepper
+    prompt = hybrid.tokenize(HYBRID_PROMPT, add_bos=False)
+    for params in HYBRID_PARAMS:
+        (plain,) = await generate(hybrid, prompt, [params], 150, draft_max=0, save=True)
+        with monkeypatch.context() as patch:
+            draft_from(patch, [plain], prompt)
+            steps, replayed = stepper.replayed_steps, stepper.replayed_tokens
+            (drafted,) = await generate(hybrid, prompt, [params], 150, draft_max=8, save=True)
+        assert drafted.text == plain.text and drafted.logprobs == plain.logprobs, params
+        assert (drafted.finish_reason, drafted.completion_tokens) == \
+            (plain.finish_reason, plain.completion_tokens)
+        assert drafted.kv_tokens == plain.kv_tokens
+        assert drafted.kv_state == plain.kv_state  # attention cells and recurrent state
+        stats = drafted.stats
+        assert stats.drafted_tokens > stats.accepted_tokens > 40, params
+        assert stats.steps < plain.stats.steps
+        replays = stepper.replayed_steps - steps
+        assert replays > 10  # rejected drafts were taken back...
+        assert stepper.replayed_tokens - replayed > replays  # ...some after kept tokens
+    # The lookup's own drafts (the prompt repeats; random weights do not): rejected.
+    prompt = hybrid.tokenize("abc " * 64, add_bos=False)
+    (plain,) = await generate(hybrid, prompt, [GREEDY], 60, draft_max=0, save=True)
+    (drafted,) = await generate(hybrid, prompt, [GREEDY], 60, draft_max=8, save=True)
+    assert drafted.stats.drafted_tokens > 0
+    assert drafted.text == plain.text and drafted.kv_state == plain.kv_state
+
+
+async def test_hybrid_choices_side_by_side_take_back_their_drafts_together(
+    hybrid: LlamaCppBackend, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two sequences keep different numbers of their draft tokens in a step and have them
+    # evaluated again in one step (llama.cpp splits it into micro-batches of equal counts).
+    prompt = hybrid.tokenize(HYBRID_PROMPT, add_bos=False)
+    params = [SamplingParams(temperature=0.0, logprobs=1),
+              SamplingParams(temperature=0.9, seed=5, logprobs=1)]
+    alone = [(await generate(hybrid, prompt, [p], 100, draft_max=0))[0] for p in params]
+    draft_from(monkeypatch, alone, prompt, every=4)
+    together = await generate(hybrid, prompt, params, 100, draft_max=8)
+    for ours, theirs in zip(together, alone, strict=True):
+        assert ours.text == theirs.text and ours.logprobs == theirs.logprobs
+    assert together[0].stats.accepted_tokens > 40
+
+
+@pytest.mark.parametrize("keep", [0, 1, 2, 3])
+def test_a_rejected_draft_leaves_the_hybrid_as_decoding_without_it(
+    hybrid: LlamaCppBackend, keep: int,
+) -> None:
+    """A step verifies 4 draft tokens, of which the first `keep` hold: the sequence's
+    recurrent state and cache, and the next step's logits, are bit for bit those of decoding
+    its tokens one step at a time."""
+    prompt = hybrid.tokenize(HYBRID_PROMPT, add_bos=False)
+    start = len(prompt) - 1
+
+    def fresh() -> int:
+        hybrid.step([RemoveTokens(0, -1, -1), SetSampler(0, GREEDY)],
+                    [SeqWork(0, tuple(prompt[:-1]), 0, sample=False, prompt=True)])
+        return start
+
+    fresh()
+    plain = [prompt[-1]]
+    logits = []
+    for position in range(start, start + keep + 3):
+        (sampled,) = hybrid.step([], [SeqWork(0, (plain[-1],), position, sample=True)])
+        assert isinstance(sampled, Sampled)
+        plain.append(sampled.token)
+        logits.append(np.asarray(hybrid.step_logits(0)))
+    # plain[1:] are the greedy tokens; the draft holds for `keep` of them, then goes wrong
+    draft = (*plain[1:1 + keep], (plain[1 + keep] + 1) % 512, *plain[2 + keep:])[:4]
+    fresh()
+    sampled = hybrid.step([], [SeqWork(0, (prompt[-1], *draft), start, sample=True,
+                                       drafted=len(draft))])
+    assert [s.token for s in sampled if isinstance(s, Sampled)] == plain[1:keep + 2]
+    with pytest.raises(BackendError, match="logits are gone"):
+        hybrid.step_logits(0)  # (the kept tokens were evaluated after them)
+    after = start + keep + 1
+    assert ll.llama_memory_seq_pos_max(hybrid.model.mem, 0) == after - 1
+    (state,) = hybrid.step([SaveSequence(0)], [])
+    (checkpoint,) = hybrid.step([SaveCheckpoint(0)], [])
+    (following,) = hybrid.step([], [SeqWork(0, (plain[keep + 1],), after, sample=True)])
+    assert isinstance(following, Sampled) and following.token == plain[keep + 2]
+    assert np.array_equal(np.asarray(hybrid.step_logits(0)).view(np.uint32),
+                          logits[keep + 1].view(np.uint32))
+    fresh()
+    for position, token in enumerate(plain[:keep + 1], start=start):
+        hybrid.step([], [SeqWork(0, (token,), position, sample=True)])
+    assert hybrid.step([SaveSequence(0)], []) == [state]
+    assert hybrid.step([SaveCheckpoint(0)], []) == [checkpoint]
+
+
+@pytest.mark.parametrize(("fixture", "speculates"), [
+    ("tiny_qwen35_gguf", False), ("tiny_qwen35_q8_gates", True)])
+def test_a_hybrid_with_float_matrices_does_not_speculate(
+    fixture: str, speculates: bool, request: pytest.FixtureRequest,
+) -> None:
+    """llama.cpp multiplies an F32 matrix by one row with ggml's dot products and by two or
+    more with llamafile's tinyBLAS, which round differently; it splits a hybrid's steps
+    into micro-batches of as many tokens of each sequence, which can leave a row alone, so
+    such a hybrid's drafts could not stay exact. The premise, pinned: the recurrent state a
+    token leaves evaluated alone, and beside another sequence's token."""
+    backend = LlamaCppBackend(request.getfixturevalue(fixture), n_cells=512, n_seq=2,
+                              n_batch=64, threads=2)
+    try:
+        assert (backend.speculation_off is None) == speculates
+        if not speculates:
+            assert "blk.0.ssm_beta.weight (F32)" in (backend.speculation_off or "")
+        prompt = backend.tokenize(HYBRID_PROMPT, add_bos=False)
+        last = len(prompt) - 1
+        ops = [RemoveTokens(seq, -1, -1) for seq in (0, 1)]
+        ops += [SetSampler(seq, GREEDY) for seq in (0, 1)]
+        backend.step(ops, [SeqWork(seq, tuple(prompt[:-1]), 0, sample=False, prompt=True)
+                           for seq in (0, 1)])
+        backend.step([], [SeqWork(0, (prompt[-1],), last, sample=True)])
+        (alone,) = backend.step([SaveCheckpoint(0)], [])
+        backend.step([], [SeqWork(1, (prompt[-1],), last, sample=True),
+                          SeqWork(0, (prompt[0],), last + 1, sample=True)])
+        (beside,) = backend.step([SaveCheckpoint(1)], [])
+        assert isinstance(alone, Checkpointed) and isinstance(beside, Checkpointed)
+        assert alone.data and beside.data
+        # (after the magic number and the sequence id, 8 bytes)
+        assert (alone.data[8:] == beside.data[8:]) == speculates
     finally:
         backend.close()
 

@@ -183,9 +183,21 @@ class LlamaCppBackend:
         decoding"): llama.cpp's CPU matmuls compute each row of a batch of fewer than
         EXACT_BATCH_ROWS as they would alone, but its repacked kernels multiply rows four
         at a time from four rows on, where they round differently. A hybrid model's
-        rejected drafts are taken back by checkpoint and replay (batch.py)."""
-        if ll.llama_model_is_recurrent(self.model.model):  # (Mamba: see test_speculation)
-            return 0, "a recurrent model cannot take back rejected draft tokens"
+        rejected drafts are taken back by checkpoint and replay (batch.py), where a row
+        is computed as alone: llama.cpp splits a hybrid's step into micro-batches of as
+        many tokens of each sequence, which can leave one row alone, and multiplies float
+        matrices one way for a lone row and another for several (loading.FLOAT_TYPES)."""
+        if ll.llama_model_is_recurrent(self.model.model):
+            # (Measured on the tiny Mamba: a step of several tokens leaves other state bits
+            # than as many one-token steps, scratch row or not; never made exact.)
+            return 0, "a recurrent model's drafts would change its outputs"
+        floats = self.model.float_matrices
+        if self.info.is_recurrent and floats:
+            shown = ", ".join(floats[:3]) + (f" and {len(floats) - 3} more"
+                                             if len(floats) > 3 else "")
+            return 0, (f"llama.cpp multiplies this hybrid model's float matrices ({shown}) "
+                       "one way for a lone row and another for several: drafts would change "
+                       "its outputs")
         repacked = any(Kernel.REPACKED.value in who
                        for who in self.model.layer_kernels.values())
         if repacked:

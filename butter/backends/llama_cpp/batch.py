@@ -80,11 +80,13 @@ class DraftRows:
 # draft is rejected, its sequence gets that state back, its cache is cut to the work's
 # start, and the tokens it keeps are evaluated again (all such sequences of the step in
 # one more evaluation, without logits): the state then is what evaluating the kept tokens
-# alone leaves. On llama.cpp's CPU the gated delta net and the short and Mamba
-# convolutions run token after token whatever the step's width, so the state and the
-# cells are bit for bit those of decoding one token a step (tests/test_speculation.py).
-# The restore, the replay and the saves all fall inside the step's measured time, so
-# Speculation's cost model weighs them.
+# alone leaves. On llama.cpp's CPU the gated delta net (fused) and the short convolution
+# run token after token whatever the step's width, so the state and the cells are bit for
+# bit those of decoding one token a step (tests/test_speculation.py), provided every row
+# is computed as alone: a hybrid whose float matrices llama.cpp multiplies does not draft
+# (Backend._draft_rows), nor does a purely recurrent model (Mamba: its state's bits
+# change with the step's width). The saves, restores and replays all fall inside the
+# step's measured time, so Speculation's cost model weighs them.
 
 
 @attrs.frozen

@@ -104,6 +104,8 @@ class LlamaModel:
         # who multiplies each type of layer matrix this model has (kernels.py's table)
         header = read_header(path)
         self.layer_kernels = layer_kernels(header, stored=stored, repack=repack)
+        # matrices llama.cpp multiplies one way for a lone row, another for several
+        self.float_matrices = float_matrices(header)
         # every layer matrix is butter's (each row computed alone at any row count)
         self._butter_takes_every_layer_matrix = (
             bool(self.layer_kernels) and set(self.layer_kernels) <= stored
@@ -442,6 +444,31 @@ def has_expert_matrices(header: GgufHeader) -> bool:
     """Whether a layer holds 3-D weights (a mixture of experts' stacked matrices, which
     llama.cpp multiplies itself, whatever their type)."""
     return any(t.name.startswith("blk.") and len(t.shape) > 2 for t in header.tensors.values())
+
+
+# ggml's float types (F32, F16, BF16): llama.cpp's CPU multiplies a matrix of one of these by
+# a lone row with ggml's dot products and by two rows or more with llamafile's tinyBLAS,
+# which sum in another order, so that a row's result changes in its last bits with the
+# number of rows beside it (measured: a tiny model's F32 matrices, docs/design/speculation.md).
+FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}
+# A recurrent layer's 2-D weights that are no matrix multiplied by rows: convolution
+# kernels (Mamba, Qwen3.5's delta net, LFM2's short conv) and Mamba's A.
+NOT_MATRICES = ("ssm_conv1d.weight", "shortconv.conv.weight", ".ssm_a")
+
+
+def float_matrices(header: GgufHeader) -> list[str]:
+    """The model's matrices of a float type (FLOAT_TYPES) that multiply rows: its layers'
+    and its output projection (the embedding where it is tied), as "name (type)"."""
+    tensors = header.tensors
+    output = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    found = []
+    for tensor in tensors.values():
+        kind = FLOAT_TYPES.get(tensor.ggml_type)
+        if kind is None or len(tensor.shape) != 2 or tensor.name.endswith(NOT_MATRICES):
+            continue
+        if tensor.name == output or (tensor.name.startswith("blk.") and tensor.shape[1] > 1):
+            found.append(f"{tensor.name} ({kind})")
+    return found
 
 
 def layer_kernels(header: GgufHeader, *, stored: set[str], repack: bool) -> dict[str, str]:
