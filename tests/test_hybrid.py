@@ -52,6 +52,9 @@ class Family:
     checkpoint_bytes: int  # measured, and pinned
     state_floats: int  # the formula's: n_embd_r + n_embd_s over the recurrent layers
     recurrent_layers: int
+    # f16 K and V of the attention layers alone (one in each tiny file): 2 KV heads of 32
+    # (qwen35) or of 16 (lfm2), K and V, 2 bytes each
+    kv_bytes_per_token: int
 
 
 # The PARTIAL_ONLY checkpoint is 28 B of headers (magic, seq id, cell count, the cell's pos
@@ -63,9 +66,9 @@ class Family:
 # tensor of n_embd_s = 0 floats (its header is still written).
 FAMILIES = {
     "qwen35": Family("qwen35", "tiny_qwen35_gguf", 58_468, recurrent_state_floats(),
-                     sum(map(is_recurrent_layer, range(N_LAYER)))),
+                     sum(map(is_recurrent_layer, range(N_LAYER))), 2 * 2 * 32 * 2),
     "lfm2": Family("lfm2", "tiny_lfm2_gguf", 1_636, lfm2_recurrent_state_floats(),
-                   sum(map(lfm2_is_conv_layer, range(len(LFM2_LAYER_TYPES))))),
+                   sum(map(lfm2_is_conv_layer, range(len(LFM2_LAYER_TYPES)))), 2 * 2 * 16 * 2),
 }
 
 
@@ -153,6 +156,8 @@ def test_the_tiny_hybrid_loads_as_a_hybrid_and_decodes_deterministically(
                           lambda: bool(ll.llama_model_is_recurrent(backend.model.model)))
     assert backend.info.is_recurrent  # butter's flag: recurrent or hybrid
     assert backend.rewind_limit == 1
+    # (what /v1/server and the boot banner say a position costs: its attention layers')
+    assert backend.kv_bytes_per_token == family.kv_bytes_per_token
     first, logits = generate_greedy(backend, [PROMPT], 12)
     again, logits_again = generate_greedy(backend, [PROMPT], 12)
     assert first == again

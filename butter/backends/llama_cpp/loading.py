@@ -106,6 +106,8 @@ class LlamaModel:
         self.layer_kernels = layer_kernels(header, stored=stored, repack=repack)
         # matrices llama.cpp multiplies one way for a lone row, another for several
         self.float_matrices = float_matrices(header)
+        # (a hybrid's attention layers are a few of its layers: counted from its tensors)
+        self._attention_kv_elements = attention_kv_elements(header)
         # every layer matrix is butter's (each row computed alone at any row count)
         self._butter_takes_every_layer_matrix = (
             bool(self.layer_kernels) and set(self.layer_kernels) <= stored
@@ -190,7 +192,10 @@ class LlamaModel:
 
     @property
     def kv_bytes_per_token(self) -> float:
-        """K and V bytes one position costs across all layers, at the cache's type."""
+        """K and V bytes one position costs across all layers, at the cache's type (for a
+        recurrent or hybrid model, across the layers that have attention)."""
+        if self.info.is_recurrent:
+            return float(self._attention_kv_elements * self.kv_type.bytes_per_element)
         model, arch = self.model, self.info.architecture
         n_head, n_head_kv = ll.llama_model_n_head(model), ll.llama_model_n_head_kv(model)
         default_dim = ll.llama_model_n_embd(model) // max(1, n_head)
@@ -438,6 +443,15 @@ def _load_model(path: Path, *, repack: bool, fast_layers: bool) -> tuple[Any, st
     counts = " + ".join(f"{n} {name.upper()}" for name, n in stored.items() if n)
     return (model, f"butter ({kernel.isa.value}; {counts} matrices)",
             {name for name, n in stored.items() if n})
+
+
+def attention_kv_elements(header: GgufHeader) -> int:
+    """K and V elements one position stores, from the attention layers' K and V projections
+    (their output widths); 0 where no layer has attention (Mamba)."""
+    tensors = header.tensors
+    return sum(tensor.shape[1] for name, tensor in tensors.items()
+               if name.startswith("blk.") and name.endswith((".attn_k.weight", ".attn_v.weight"))
+               and len(tensor.shape) == 2)
 
 
 def has_expert_matrices(header: GgufHeader) -> bool:
