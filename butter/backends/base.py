@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import attrs
 
 from butter.backends.team import TeamStatus
+from butter.chat.images import DecodedImage
 from butter.chat.request import Logprobs
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
@@ -188,6 +189,29 @@ def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[KvOutcome]:
     return outcomes
 
 
+@attrs.frozen(eq=False)
+class PromptImage:
+    """An image's place in a prompt: `n_tokens` positions from `start`, evaluated from the
+    projector's embeddings of the image rather than from tokens. The prompt holds
+    image_token_ids(key, n_tokens) there, so that prefix matching tells images apart."""
+
+    start: int
+    n_tokens: int
+    image: DecodedImage
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+
+def image_token_ids(key: str, n_tokens: int) -> tuple[int, ...]:
+    """The ids that stand for an image's positions in a prompt: negative (no vocabulary
+    token is), and derived from the image's content key, so a cached prompt matches a new
+    one through an image only where it is the same image."""
+    base = int(key[:15], 16)
+    return tuple(-1 - ((base + i) % 2**62) for i in range(n_tokens))
+
+
 @attrs.frozen
 class SeqWork:
     """Tokens of one sequence to evaluate in a step, from position `start`."""
@@ -212,6 +236,9 @@ class SeqWork:
     # `tokens` (the engine's own list, read during the step, never copied).
     guess: int = 0
     history: Sequence[int] = ()
+    # The images whose positions these tokens include (their ids are image_token_ids):
+    # those positions are evaluated from the projector's embeddings.
+    images: tuple[PromptImage, ...] = ()
 
 
 @attrs.frozen
@@ -285,6 +312,18 @@ class Backend(Protocol):
         ...
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
+
+    @property
+    def vision(self) -> bool:
+        """A projector is loaded: prompts may hold images (tokenize_media)."""
+        ...
+
+    def tokenize_media(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+                       add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        """A prompt of text pieces with an image between each two (len(texts) ==
+        len(images) + 1): its ids (image_token_ids at each image's positions) and where
+        each image sits."""
+        ...
 
     def write_out(self, texts: Iterable[str]) -> None:
         """Generated control tokens whose text is one of `texts` come out as that text

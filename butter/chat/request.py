@@ -15,9 +15,24 @@ from butter.sampling import SamplingParams
 
 
 @attrs.frozen
+class ImageInput:
+    """An image in a chat message, as the client sent it: each wire format puts one in a
+    message's content list as {"type": "image", "image": ImageInput} (a tool result's
+    content too); the pipeline decodes it (butter/chat/images.py) and refuses it with a 400
+    where the model sees no images."""
+
+    data: str = attrs.field(repr=False)  # base64 of the image file's bytes
+    media_type: str | None = None  # as the client named it ("image/png"), if it did
+    param: str = "messages"  # where it was in the request, for error messages
+
+
+IMAGE_PART = "image"  # the content part type ImageInput comes in
+
+
+@attrs.frozen
 class ChatPrompt:
     """Messages for the model's chat template, in the shape templates expect (text
-    content, tool-call arguments as objects)."""
+    content, tool-call arguments as objects; images as ImageInput parts)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None  # offered to the template; None: none offered
@@ -27,6 +42,13 @@ class ChatPrompt:
     # True: the final (assistant) message is left open, so the model continues its
     # content (needs add_generation_prompt false; HF's and vLLM's field).
     continue_final_message: bool = False
+
+    def images(self) -> list[ImageInput]:
+        """The images in the messages, in the order they appear."""
+        return [part["image"] for message in self.messages
+                if isinstance(message.get("content"), list)
+                for part in message["content"]
+                if isinstance(part, dict) and part.get("type") == IMAGE_PART]
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ from butter.backends.base import (
     Checkpointed,
     CopyPrefix,
     KvOp,
+    PromptImage,
     RemoveTokens,
     RestoreCheckpoint,
     Restored,
@@ -51,6 +52,7 @@ from butter.backends.native import Unavailable
 from butter.backends.step_layouts import LayoutTimer
 from butter.backends.team import StepPace, TeamSizer, TeamStatus, read_sample
 from butter.backends.worker import BackendWorker
+from butter.chat.images import DecodedImage
 from butter.cpu import allowed_cpus, this_cpu
 from butter.errors import ModelLoadError
 from butter.kv import KvCacheType
@@ -281,6 +283,14 @@ class LlamaCppBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    @property
+    def vision(self) -> bool:
+        return False  # (no projector loaded)
+
+    def tokenize_media(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+                       add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        raise BackendError("no projector is loaded (--mmproj)")
 
     def write_out(self, texts: Iterable[str]) -> None:
         self._worker.call(self.model.write_out, list(texts))

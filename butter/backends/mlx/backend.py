@@ -18,6 +18,7 @@ from butter.backends.base import (
     Checkpointed,
     CopyPrefix,
     KvOp,
+    PromptImage,
     RemoveTokens,
     RestoreCheckpoint,
     Restored,
@@ -38,6 +39,7 @@ from butter.backends.mlx.grammars import LlguidanceGrammars
 from butter.backends.mlx.loading import MlxModel
 from butter.backends.mlx.sampling import Samplers
 from butter.backends.worker import BackendWorker
+from butter.chat.images import DecodedImage
 from butter.kv import KvCacheType
 from butter.sampling import SamplingParams
 
@@ -102,6 +104,14 @@ class MlxBackend:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         with self._worker.using():
             return self.model.tokenize(text, add_bos=add_bos)
+
+    @property
+    def vision(self) -> bool:
+        return False  # (mlx-lm's vision towers are not loaded: docs/mlx.md)
+
+    def tokenize_media(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+                       add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        raise BackendError("MLX models here take no images")
 
     def write_out(self, texts: Iterable[str]) -> None:
         with self._worker.using():
