@@ -64,6 +64,13 @@ def test_the_longest_match_wins_over_a_later_shorter_one() -> None:
     assert lookup.propose(2) == (9, 8)
 
 
+def test_a_draft_stops_where_an_image_begins() -> None:
+    # (an image's positions hold negative ids: image_token_ids)
+    lookup = PromptLookup([1, 2, 3, 4, -7, -8, 5, 9, 2, 3])
+    assert lookup.propose(4) == (4,)
+    assert PromptLookup([1, 2, 3, -7, 4, 1, 2, 3]).propose(3) == ()
+
+
 def test_no_earlier_occurrence_proposes_nothing() -> None:
     assert PromptLookup([1, 2, 3, 4]).propose(4) == ()
     assert PromptLookup([5]).propose(4) == ()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -167,3 +168,26 @@ def test_tiled_chunks_fit_the_budget_and_someone_always_progresses(
         going_on = [w for w in works if len(w.tokens) < needs[w.seq]]
         assert all(len(w.tokens) % 64 == 0 for w in going_on)
         assert works[:len(going_on)] == going_on
+
+
+def test_a_chunk_carries_the_images_its_positions_include() -> None:
+    from butter.backends.base import PromptImage
+    from butter.chat.images import DecodedImage
+
+    def image(start: int) -> PromptImage:
+        return PromptImage(start=start, n_tokens=16, image=DecodedImage(
+            key=f"{start:064x}", width=1, height=1, rgb=b"\0\0\0"))
+
+    early, split, late = image(10), image(60), image(200)
+    pending = attrs.evolve(_prefill(0, 300), images=(early, split, late))
+    (first,) = plan_step([pending], 64)
+    assert first.images == (early, split)  # (positions 0..63: the second image in part)
+    (second,) = plan_step([attrs.evolve(pending, start=64, pending=pending.pending[64:])], 64)
+    assert second.images == (split,)
+
+
+def test_a_chunk_stops_at_the_next_checkpoint() -> None:
+    (work,) = plan_step([attrs.evolve(_prefill(0, 300), stop=37)], 256)
+    assert len(work.tokens) == 37 and not work.sample
+    (whole,) = plan_step([attrs.evolve(_prefill(0, 30), stop=37)], 256)
+    assert len(whole.tokens) == 30 and whole.sample

@@ -107,7 +107,13 @@ class PromptLookup:
             if start is not None:
                 break
             start = self._after.get(tuple(seen[-n:]))
-        return () if start is None else tuple(seen[start:start + limit])
+        if start is None:
+            return ()
+        proposed = seen[start:start + limit]
+        # (an image's positions hold negative ids, which no token can be: a draft stops
+        # where one begins)
+        images_at = next((i for i, token in enumerate(proposed) if token < 0), len(proposed))
+        return tuple(proposed[:images_at])
 
     def _furthest_match(self) -> int | None:
         """Of the latest occurrences of the last MAX_NGRAM tokens, the position after the

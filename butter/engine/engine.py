@@ -29,6 +29,7 @@ from butter.backends.base import (
     BackendError,
     CopyPrefix,
     KvOp,
+    PromptImage,
     Sampled,
     Scored,
     SeqWork,
@@ -137,6 +138,7 @@ class Engine:
     async def generate_choices(
         self, prompt: Sequence[int], params: Sequence[SamplingParams], max_tokens: int | None,
         *, prompt_top_logprobs: int | None = None, checkpoint_hints: Sequence[int] = (),
+        images: Sequence[PromptImage] = (),
     ) -> AsyncIterator[list[Generation]]:
         """One generation per sampling parameters, from one prompt, admitted together.
 
@@ -145,7 +147,8 @@ class Engine:
         evaluating just the prompt's last token. `prompt_top_logprobs`: score the prompt
         (each token's logprob with this many alternatives). `checkpoint_hints`: prompt
         positions where a later prompt is likely to diverge (message starts), for models
-        whose state is cut back only at checkpoints. Always released."""
+        whose state is cut back only at checkpoints. `images`: where the prompt holds
+        images (Backend.tokenize_media). Always released."""
         if not prompt:  # (nothing to evaluate: it would hold its sequence forever)
             raise InvalidRequest("the prompt has no tokens", param="prompt")
         limit = max_tokens if max_tokens is not None else self.completion_budget(len(prompt))
@@ -160,7 +163,7 @@ class Engine:
         tickets = await self.admission.acquire_many(cells, len(params))
         generations = [
             Generation(prompt=tuple(prompt), params=choice, max_tokens=limit, ticket=ticket,
-                       checkpoint_hints=tuple(checkpoint_hints))
+                       checkpoint_hints=tuple(checkpoint_hints), images=tuple(images))
             for choice, ticket in zip(params, tickets, strict=True)
         ]
         generations[0].followers = generations[1:]
@@ -261,7 +264,7 @@ class Engine:
                 seq=s.seq, start=len(s.kv_tokens), pending=s.generation.pending,
                 decoding=s.generation.state is RequestState.DECODING,
                 prompt_top_logprobs=s.generation.prompt_top_logprobs,
-                stop=s.tokens_to_next_checkpoint(),
+                stop=s.tokens_to_next_checkpoint(), images=s.generation.images,
             )
             for s in self.cache.sequences
             if s.generation is not None and s.generation.state in HAS_STEP_WORK

@@ -15,6 +15,7 @@ from typing import Literal
 import attrs
 import trio
 
+from butter.backends.base import PromptImage
 from butter.chat.request import Logprobs
 from butter.engine.admission import Ticket
 from butter.engine.drafting import Acceptance, PromptLookup
@@ -86,6 +87,8 @@ class Generation:
     # the chat template starts a message): a later prompt that diverges past one of them
     # starts from there (checkpoints.py).
     checkpoint_hints: tuple[int, ...] = ()
+    # The images in the prompt, where they sit (their positions hold image_token_ids).
+    images: tuple[PromptImage, ...] = ()
     # perf_counter() when it got its KV sequence, sampled its first token, ended: the
     # `timings` llama-server reports (prompt and generation speed, queueing left out).
     leased_at: float | None = None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from butter.backends.base import SeqWork
+from butter.backends.base import PromptImage, SeqWork
 
 
 @attrs.frozen
@@ -33,6 +33,7 @@ class PendingWork:
     # A prompt chunk ends after at most this many tokens (None: wherever), so that the
     # state there can be checkpointed before the next chunk (prefix_cache.py).
     stop: int | None = None
+    images: tuple[PromptImage, ...] = ()  # the prompt's images (SeqWork.images)
 
     @property
     def can_take(self) -> int:
@@ -115,6 +116,8 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
                 seq=s.seq, tokens=chunk, start=s.start, sample=size == len(s.pending),
                 prompt=True, prompt_top_logprobs=s.prompt_top_logprobs,
                 next_token=s.pending[size] if size < len(s.pending) else None,
+                images=tuple(image for image in s.images
+                             if image.start < s.start + size and image.end > s.start),
             )
         )
     return works
