@@ -320,7 +320,8 @@ class Speculation:
             lookup.extend(history[len(lookup):])
         lookup.extend(generation.pending)
         proposal = lookup.propose(room)
-        if not proposal and self.backend.guesses:  # (its tokens are made in the step)
+        # (the draft model reads the sequence's tokens, and an image's are no tokens)
+        if not proposal and self.backend.guesses and not generation.images:
             estimate = generation.guess_acceptance
             return DraftOffer((0,) * room, estimate.rate,
                               probe=estimate.steps_without >= PROBE_EVERY,
