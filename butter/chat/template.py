@@ -25,6 +25,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import SandboxedEnvironment
 
 from butter.chat.polyfill import TemplateCapabilities, adapt, probe, without_null_fields
+from butter.chat.request import IMAGE_PART
 from butter.chat.tool_calls import TOOL_CALL, syntax_named
 from butter.errors import InvalidRequest
 
@@ -255,13 +256,18 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        image_marker: str | None = None,
     ) -> str:
         """The prompt text, with the messages rewritten into what this template renders
         (butter/chat/polyfill.py): system messages after the first position stay in place
         where the template renders them, else they are folded into the next user turn.
 
         `continue_final_message`: the final assistant message is left open (the text
-        ends right after its content), so the model continues it."""
+        ends right after its content), so the model continues it. `image_marker`: the
+        text each image part of a message becomes (its text parts joined around it, as
+        llama-server does), for the caller to split the prompt at; needed where
+        messages hold images."""
+        messages = with_image_markers(messages, image_marker)
         final = (final_message_content(messages, add_generation_prompt)
                  if continue_final_message else None)
         tools = without_null_fields(tools)
@@ -298,6 +304,25 @@ class ChatTemplate:
             "functions": _tojson(tools, indent=2) if tools else "",
             "datetime": datetime.now().strftime("%b %d %Y"),
         }
+
+
+def with_image_markers(messages: list[dict[str, Any]], marker: str | None
+                       ) -> list[dict[str, Any]]:
+    """Messages whose content lists hold images (IMAGE_PART), with each list joined into
+    one string: text parts as they are, each image as `marker`. Others stay as they are."""
+    def has_image(message: dict[str, Any]) -> bool:
+        content = message.get("content")
+        return isinstance(content, list) and any(
+            isinstance(part, dict) and part.get("type") == IMAGE_PART for part in content)
+
+    if not any(has_image(message) for message in messages):
+        return messages
+    if marker is None:
+        raise ValueError("messages hold images: render them with an image marker")
+    return [{**message, "content": "".join(
+        marker if part.get("type") == IMAGE_PART else str(part.get("text") or "")
+        for part in message["content"])} if has_image(message) else message
+        for message in messages]
 
 
 def final_message_content(messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
