@@ -47,7 +47,8 @@ def random_seed() -> int:
 @attrs.frozen
 class OutputConstraint:
     """The output is JSON that follows a schema: alone, or as exactly one tool call,
-    `<tool_call>\\n{json}\\n</tool_call>`; or text that a GBNF grammar derives.
+    `<tool_call>\\n{json}\\n</tool_call>`, either one after the rest of a reasoning block
+    that the prompt opened (`after_reasoning`); or text that a GBNF grammar derives.
 
     Built by butter/chat/grammar.py (which owns the markers); each backend compiles it
     into its own grammar engine's form, once per distinct value."""
@@ -56,6 +57,10 @@ class OutputConstraint:
     tool_call: bool = False
     # Or a grammar in llama.cpp's GBNF (llama-server's `grammar` field), schema_json "".
     gbnf: str | None = None
+    # The output begins inside a reasoning block that the prompt opened (a template's
+    # generation prompt that ends with `<think>`): the rest of that block, free text up to
+    # its `</think>`, comes first, then the JSON or the call (a JSON constraint only).
+    after_reasoning: bool = False
 
     @classmethod
     def of(cls, schema: Mapping[str, Any], *, tool_call: bool = False) -> OutputConstraint:
@@ -68,6 +73,12 @@ class OutputConstraint:
     @property
     def schema(self) -> Any:
         return json.loads(self.schema_json)
+
+    def after_open_reasoning(self) -> OutputConstraint:
+        """This constraint where the prompt left the answer inside a reasoning block: the
+        model ends its reasoning first. A GBNF grammar is the client's, and stays as sent
+        (it derives the whole output, as llama-server applies it)."""
+        return self if self.gbnf is not None else attrs.evolve(self, after_reasoning=True)
 
 
 @attrs.frozen

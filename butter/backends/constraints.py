@@ -29,6 +29,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from butter.chat.grammar import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from butter.chat.markup import THINK_CLOSE
 from butter.sampling import OutputConstraint
 
 GRAMMAR_CACHE_SIZE = 32  # compiled grammars kept (agents resend the same tools each turn)
@@ -69,20 +70,38 @@ class CompiledConstraints(Generic[Compiled]):
 
 def constraint_grammar(constraint: OutputConstraint,
                        marker: Callable[[str], str] = json.dumps) -> str:
-    """The constraint as llguidance's Lark grammar. `marker` spells a tool-call marker in
-    it: a string literal, or `<[id]>` for the vocabulary's single token for it (llguidance
-    never matches a special token against a literal, and a model emits the marker as that
-    token, not spelled out)."""
+    """The constraint as llguidance's Lark grammar. `marker` spells a marker in it (a tool
+    call's, or the `</think>` that ends reasoning): a string literal, or `<[id]>` for the
+    vocabulary's single token for it (llguidance never matches a special token against a
+    literal, and a model emits the marker as that token, not spelled out)."""
     if constraint.gbnf is not None:
         return gbnf_grammar(constraint.gbnf)
     schema = constraint.schema
     if isinstance(schema, dict):
         schema = {**schema, "x-guidance": JSON_OPTIONS}
     json_rule = f"%json {json.dumps(schema)}"
+    start = "start: reasoning " if constraint.after_reasoning else "start: "
     if not constraint.tool_call:
-        return f"start: {json_rule}\n"
-    return (f'start: {marker(TOOL_CALL_OPEN)} "\\n" call "\\n" {marker(TOOL_CALL_CLOSE)}\n'
-            f"call: {json_rule}\n")
+        grammar = f"{start}{json_rule}\n"
+    else:
+        grammar = (f'{start}{marker(TOOL_CALL_OPEN)} "\\n" call "\\n" '
+                   f"{marker(TOOL_CALL_CLOSE)}\n"
+                   f"call: {json_rule}\n")
+    if constraint.after_reasoning:
+        grammar += reasoning_rule(marker(THINK_CLOSE))
+    return grammar
+
+
+def reasoning_rule(close: str) -> str:
+    """The rest of a reasoning block the prompt opened: any text (none, where the model
+    closes the block at once), the `close` marker, and the blank line or two a model
+    writes after it. No text contains a special token; a marker spelled as text ends the
+    block at its first occurrence (`suffix` makes the text before it lazy)."""
+    blank = "reasoning_blank: /[ \\t\\r\\n]{1,4}/\n"
+    if close.startswith('"'):  # a string literal
+        return (f"reasoning: reasoning_text reasoning_blank?\n"
+                f"reasoning_text[suffix={close}]: /(?s:.*)/\n{blank}")
+    return f"reasoning: /(?s:.*)/ {close} reasoning_blank?\n{blank}"
 
 
 def gbnf_grammar(gbnf: str) -> str:

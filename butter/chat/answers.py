@@ -2,8 +2,9 @@
 Functionary v3.2, markup for the rest.
 
 A forced tool call (`tool_choice` required or named) is one `<tool_call>` whatever the
-family, from the answer's first character (the grammar's form, chat/grammar.py): an
-answer of messages that begins with `<tool_call>` is read as that markup."""
+family, from the answer's first character (the grammar's form, chat/grammar.py), or, where
+the prompt opened a `<think>` block, right after the `</think>` that ends it: an answer of
+messages that begins with `<tool_call>` is read as that markup."""
 
 from __future__ import annotations
 

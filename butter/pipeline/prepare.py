@@ -180,13 +180,28 @@ def prepare_tokens(
     max_tokens = fit_completion(len(prompt), request.max_tokens, resident.max_context,
                                 strict=resident.strict_max_tokens)
     check_choices(request.n, resident.engine.admission.slots)
-    check_logit_bias(request.sampling, resident.backend.info.n_vocab)
+    params = constrained_after_reasoning(request.sampling, starts_in_reasoning)
+    check_logit_bias(params, resident.backend.info.n_vocab)
     try:
-        resident.backend.check_sampling(request.sampling)
+        resident.backend.check_sampling(params)
     except ValueError as exc:
         raise InvalidRequest(f"cannot serve this request: {exc}") from None
-    return PreparedGeneration(request=request, prompt=prompt, params=request.sampling,
+    return PreparedGeneration(request=request, prompt=prompt, params=params,
                               max_tokens=max_tokens, starts_in_reasoning=starts_in_reasoning)
+
+
+def constrained_after_reasoning(params: SamplingParams, starts_in_reasoning: bool
+                                ) -> SamplingParams:
+    """A forced call or JSON output where the answer starts inside a reasoning block the
+    prompt opened (Qwen3's and Qwen3.5's `<think>\\n`, thinking on): the grammar lets the
+    model finish its reasoning and close the block first, then holds it to the call or
+    the JSON, which the output reader finds after `</think>` (a call, or content; the
+    reasoning before it is reasoning), as vLLM applies structured output only after the
+    reasoning ends. Constrained from the first token instead, the call or the JSON would
+    be written inside the block, and read as reasoning."""
+    if not starts_in_reasoning or params.grammar is None:
+        return params
+    return attrs.evolve(params, grammar=params.grammar.after_open_reasoning())
 
 
 def check_choices(n: int, sessions: int) -> None:

@@ -112,9 +112,9 @@ class LlguidanceGrammars:
         return start_matcher(self.tokenizer(), constraint_grammar(constraint, self._marker))
 
     def _marker(self, marker: str) -> str:
-        """The tool-call marker as the vocabulary's single token for it where llguidance
-        treats that token as special (a control token, or a user-defined `<...>` one), else
-        as a string literal."""
+        """A marker (a tool call's, or `</think>`) as the vocabulary's single token for it
+        where llguidance treats that token as special (a control token, or a user-defined
+        `<...>` one), else as a string literal."""
         tokens = self._model.tokenize(marker, add_bos=False)
         if len(tokens) == 1 and self.tokenizer().is_special_token(tokens[0]):
             return f"<[{tokens[0]}]>"

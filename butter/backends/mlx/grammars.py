@@ -54,8 +54,9 @@ class LlguidanceGrammars:
         return start_matcher(self.tokenizer(), constraint_grammar(constraint, self._marker))
 
     def _marker(self, marker: str) -> str:
-        """The tool-call marker as the vocabulary's single token for it where llguidance
-        treats that token as special (every added token), else as a string literal."""
+        """A marker (a tool call's, or `</think>`) as the vocabulary's single token for it
+        where llguidance treats that token as special (every added token), else as a string
+        literal."""
         hf = self._model.tokenizer
         token = hf.convert_tokens_to_ids(marker)  # (or the unknown token)
         if isinstance(token, int) and 0 <= token < self._model.info.n_vocab \
