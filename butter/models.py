@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import attrs
@@ -121,12 +122,69 @@ def _in_huggingface_cache(model_id: str, _: str | None) -> Path | None:
         return None
     snapshots = sorted(repo.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
     for snapshot in snapshots:
-        ggufs = sorted(snapshot.rglob("*.gguf"))
+        ggufs = sorted(path for path in snapshot.rglob("*.gguf") if not is_projector_file(path))
         if ggufs:
             return ggufs[0]
         if (snapshot / "config.json").is_file():  # an MLX / safetensors checkpoint
             return snapshot
     return None
+
+
+# llama.cpp's name for a vision (or audio) projector file: llama-server takes a GGUF whose name
+# holds it for a projector, never for a model (common/preset.cpp, common/download.cpp).
+PROJECTOR_MARK = "mmproj"
+
+
+def is_projector_file(path: Path) -> bool:
+    return PROJECTOR_MARK in path.name and path.suffix == ".gguf"
+
+
+def projector_beside(model: Path) -> Path | None:
+    """The projector llama-server loads with `model` unasked: for a GGUF in the local
+    HuggingFace cache (its -hf), the snapshot's projector file in the model's folder or the
+    nearest one above it (within the snapshot), the one whose quantization is nearest the
+    model's (its find_best_sibling); None for a model named by its path (llama-server's -m
+    looks for none) or an MLX checkpoint."""
+    if model.suffix != ".gguf" or is_projector_file(model):
+        return None
+    snapshot = _snapshot_of(model)
+    if snapshot is None:
+        return None
+    model_dir = model.absolute().parent
+    best: tuple[int, int, str] | None = None
+    found: Path | None = None
+    for candidate in snapshot.rglob("*.gguf"):
+        folder = candidate.absolute().parent
+        if not is_projector_file(candidate) or not model_dir.is_relative_to(folder):
+            continue
+        # deeper first, then the nearest quantization, then by name (a stable choice)
+        rank = (-len(folder.parts), abs(_quant_bits(candidate) - _quant_bits(model)),
+                candidate.name)
+        if best is None or rank < best:
+            best, found = rank, candidate
+    return found
+
+
+def _snapshot_of(model: Path) -> Path | None:
+    """The HuggingFace cache snapshot folder (models--ORG--NAME/snapshots/REV) that holds
+    `model`, if any (its path as named: the cache links its files to blobs)."""
+    try:
+        inside = model.absolute().relative_to(huggingface_cache_dir().absolute())
+    except ValueError:
+        return None
+    parts = inside.parts
+    if len(parts) < 4 or not parts[0].startswith("models--") or parts[1] != "snapshots":
+        return None
+    return huggingface_cache_dir().absolute().joinpath(*parts[:3])
+
+
+def _quant_bits(path: Path) -> int:
+    """Bits of a GGUF's quantization from its name's last tag (`-Q4_K_M` 4, `-F16` 16), as
+    llama.cpp's extract_quant_bits reads it; 0 where none is named."""
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", path.stem, flags=re.IGNORECASE)
+    tag = re.search(r"[-.]([A-Za-z0-9_]+)$", stem)
+    digits = re.search(r"\d+", tag.group(1)) if tag else None
+    return int(digits.group()) if digits else 0
 
 
 def demo_model_path() -> Path:
@@ -249,6 +307,8 @@ def _folder_entries(folder: Path) -> list[CatalogEntry]:
         return []
     entries = []
     for child in children:
+        if is_projector_file(child):  # (a model's companion, never a model of its own)
+            continue
         if child.suffix == ".gguf" and _has_gguf_magic(child):
             entries.append(CatalogEntry(child.stem, child))
         elif child.is_dir() and (child / "config.json").is_file():

@@ -223,6 +223,19 @@ class ServeSettings:
     models_dir: str | None = flag(
         None, help="a folder of .gguf files that requests may name (e.g. qwen3-0.6b)",
         group=MODEL)
+    mmproj: str | None = flag(
+        None, metavar="PATH", group=MODEL,
+        help="a vision projector GGUF (llama-server's --mmproj) for --model: its prompts may "
+             "then hold images. One that does not fit the model, or that butter cannot "
+             "evaluate yet (M-RoPE, non-causal or audio-only projectors), stops the server "
+             "with the reason; loaded and released with --model, not with a model a request "
+             "swaps in; llama.cpp only (default: none)")
+    mmproj_auto: bool = flag(
+        True, action=ON_OFF, group=MODEL,
+        help="a GGUF model from the local HuggingFace cache loads the projector its snapshot "
+             "holds (a *mmproj*.gguf beside it), as llama-server's -hf does; a model given "
+             "by its path gets none without --mmproj, as with llama-server's -m (default: "
+             "on)")
     allow_swap: bool = flag(
         True, action=ON_OFF, group=MODEL,
         help="let a request's `model` swap the resident model (default: allow)")

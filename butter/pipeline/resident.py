@@ -17,7 +17,7 @@ from butter.engine.engine import Engine
 from butter.engine.prefix_cache import CheckpointStats
 from butter.errors import ModelLoadError
 from butter.kv import kv_window, parse_kv_cache
-from butter.models import resolve_model
+from butter.models import projector_beside, resolve_model
 from butter.settings import (
     DEFAULT_CACHED_PROMPTS,
     DEFAULT_CELLS_PER_EXTRA_SESSION,
@@ -57,13 +57,25 @@ def cache_sequences(parallel: int) -> int:
     return max(0, min(DEFAULT_CACHED_PROMPTS, MAX_SEQUENCES - parallel))
 
 
+def projector_for(path: Path, settings: ServeSettings, *, is_boot_model: bool) -> Path | None:
+    """The vision projector to load with the model at `path`: --mmproj for the boot model,
+    else (--mmproj-auto) the one llama-server would find for it (models.projector_beside)."""
+    if settings.mmproj is not None and is_boot_model:
+        return Path(settings.mmproj).expanduser()
+    return projector_beside(path) if settings.mmproj_auto else None
+
+
 def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int], int], *,
                   is_boot_model: bool = True) -> Backend:
     """`is_boot_model`: a --draft-model that cannot serve it is an error (else the model
-    runs without it, and /v1/server says why)."""
+    runs without it, and /v1/server says why); --mmproj is its projector."""
     kv_type = parse_kv_cache(settings.kv_cache)
     cache_seqs = cache_sequences(settings.parallel)
+    mmproj = projector_for(path, settings, is_boot_model=is_boot_model)
     if is_mlx_checkpoint(path):
+        if mmproj is not None:
+            raise ModelLoadError(f"--mmproj works with GGUF models (llama.cpp), and {path} is "
+                                 "an MLX checkpoint: butter has no image path on MLX yet")
         from butter.backends.mlx import MlxBackend
 
         if settings.draft_model is not None:
@@ -80,7 +92,7 @@ def _load_backend(path: Path, settings: ServeSettings, size_pool: Callable[[int]
         repack=not settings.deterministic, fast_layers=settings.fast_layers,
         draft_model=Path(settings.draft_model) if settings.draft_model else None,
         draft_required=is_boot_model, exact_decode=settings.deterministic,
-        fit_threads=settings.fit_threads,
+        fit_threads=settings.fit_threads, mmproj=mmproj,
     )
 
 
@@ -173,6 +185,7 @@ class ResidentModel:
             "chat_template": self.template.origin,
             # What the template renders itself; the rest is rewritten (chat/polyfill.py).
             "chat_template_capabilities": attrs.asdict(self.template.capabilities),
+            "vision": self.backend.vision,  # a projector is loaded: prompts may hold images
             "kv_cells": self.backend.n_cells,
             **self.backend.diagnostics(),  # step_shapes, lm_head, ...: each backend its own
             "parallel": self.backend.n_seq,

@@ -97,6 +97,8 @@ def model_facts(resident: ResidentModel) -> ollama.ModelFacts:
     capabilities = ["completion", "tools"]  # tools: any template, through the preamble
     if resident.template.capabilities.reasoning or "enable_thinking" in resident.template.source:
         capabilities.append("thinking")
+    if resident.backend.vision:  # a projector is loaded (--mmproj)
+        capabilities.append("vision")
     return ollama.ModelFacts(
         id=resident.model_id, size=int(meta["size_bytes"] or 0),
         architecture=str(meta["architecture"]),

@@ -48,6 +48,7 @@ from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
 from butter.backends.llama_cpp.placement import TeamPlacement
 from butter.backends.llama_cpp.sampling import Samplers
+from butter.backends.llama_cpp.vision import Projector
 from butter.backends.native import Unavailable
 from butter.backends.step_layouts import LayoutTimer
 from butter.backends.team import StepPace, TeamSizer, TeamStatus, read_sample
@@ -67,7 +68,7 @@ class LlamaCppBackend:
         threads: int, kv_type: KvCacheType | None = None, step_shaping: bool = True,
         fast_lm_head: bool = True, repack: bool = False, fast_layers: bool = True,
         cache_seqs: int = 0, draft_model: Path | None = None, draft_required: bool = True,
-        exact_decode: bool = False, fit_threads: bool = True,
+        exact_decode: bool = False, fit_threads: bool = True, mmproj: Path | None = None,
     ) -> None:
         """`n_cells` may be a function of the trained context (known only after loading).
         `cache_seqs`: sequence ids beyond the `n_seq` generating ones, for cached prefixes.
@@ -86,7 +87,9 @@ class LlamaCppBackend:
         decoding (drafter.py); one that cannot serve this model raises ModelLoadError when
         `draft_required`, else stays unloaded, and `draft_model_off` says why.
         `fit_threads`: steps run on fewer than `threads` threads while other programs take
-        the cores (team.py), else always on `threads`."""
+        the cores (team.py), else always on `threads`. `mmproj`: a vision projector GGUF
+        for this model (vision.py); one that does not fit it, or that butter cannot evaluate
+        yet, raises ModelLoadError with the reason."""
         # Everything that runs llama.cpp's threads runs on this one thread, loading included:
         # see BackendWorker.
         self._worker = BackendWorker("butter-llama", free=self._free)
@@ -118,6 +121,15 @@ class LlamaCppBackend:
         self.draft_model_off: str | None = None
         if draft_model is not None:
             self._load_drafter(draft_model, required=draft_required, threads=threads)
+        self.projector: Projector | None = None
+        if mmproj is not None:
+            try:
+                self.projector = self._worker.call(
+                    Projector, mmproj, self.model.model, n_batch=self.model.n_batch,
+                    threads=threads)
+            except BaseException:
+                self.close()
+                raise
         self.layouts = LayoutTimer(enabled=step_shaping)
         # Measured on llama.cpp's CPU kernels; a GPU build keeps llama-server's one batch.
         cpu = not ll.llama_supports_gpu_offload()
@@ -125,7 +137,8 @@ class LlamaCppBackend:
         # (butter computes a lone row as a bigger step's row: no scratch row beside it)
         pad_one_row = cpu and exact_decode and not self.butter_attention
         self.stepper = Stepper(self.model, self.samplers, self.layouts, separate_prompts=cpu,
-                               pad_one_row=pad_one_row, drafter=self.drafter)
+                               pad_one_row=pad_one_row, drafter=self.drafter,
+                               projector=self.projector)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
@@ -263,6 +276,9 @@ class LlamaCppBackend:
             "decode_attention": self.decode_attention,
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
+            # the vision projector (--mmproj): its file, type and encodes; None: none
+            "projector": None if self.projector is None else {
+                **self.projector.describe(), "image_runs": self.stepper.image_runs},
         }
 
     def team(self) -> TeamStatus:
@@ -286,11 +302,16 @@ class LlamaCppBackend:
 
     @property
     def vision(self) -> bool:
-        return False  # (no projector loaded)
+        return self.projector is not None
 
     def tokenize_media(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
                        add_bos: bool) -> tuple[list[int], list[PromptImage]]:
-        raise BackendError("no projector is loaded (--mmproj)")
+        """On the caller's thread (libmtmd's tokenizer is thread-safe; it resizes the
+        images there, not in a step)."""
+        if self.projector is None:
+            raise BackendError("no projector is loaded (--mmproj)")
+        with self._worker.using():
+            return self.projector.tokenize(texts, images, add_bos=add_bos)
 
     def write_out(self, texts: Iterable[str]) -> None:
         self._worker.call(self.model.write_out, list(texts))
@@ -438,6 +459,8 @@ class LlamaCppBackend:
         self.samplers.free()
         if self.drafter is not None:
             self.drafter.free()
+        if self.projector is not None:  # (it holds the text model's pointer)
+            self.projector.free()
         self.model.free()
 
 

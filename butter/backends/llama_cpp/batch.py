@@ -4,16 +4,26 @@ step butter's projection was armed for, and their rows sampled."""
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Any
 
 import attrs
 import llama_cpp as ll
+import numpy as np
 
-from butter.backends.base import BackendError, Scored, SeqWork, StepResult
+from butter.backends.base import (
+    BackendError,
+    PromptImage,
+    Scored,
+    SeqWork,
+    StepResult,
+    image_token_ids,
+)
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
 from butter.backends.llama_cpp.sampling import Samplers
+from butter.backends.llama_cpp.vision import Projector
 from butter.backends.lmhead import Verdict
 from butter.backends.logprobs import token_logprobs
 from butter.backends.step_layouts import LayoutTimer, StepLayout, padded_outputs
@@ -89,6 +99,46 @@ class DraftRows:
 # step's measured time, so Speculation's cost model weighs them.
 
 
+# A prompt's image positions are evaluated from the projector's embeddings of the image
+# (vision.py), not from tokens, and llama.cpp takes no batch that mixes the two
+# (llama-batch.cpp: "all entries in the batch must have the same content types"). A work
+# whose tokens include image positions (SeqWork.images) is cut into runs, text and image
+# alternately, each evaluated in an llama_decode of its own, in order, the last one's last
+# row sampled; the other works of its step are evaluated as any step's, before it. Each run
+# is padded to MIN_PROMPT_ROWS rows with the scratch sequence as a prompt chunk is, so that
+# its rows are computed as in any other cut of the prompt: the same image in one work or
+# split between two (a chunk boundary, or a cached prefix, inside it) leaves the same cells.
+# The embeddings of the last few images are kept (Projector.embeddings), so a work that
+# holds the rest of an image does not encode it again.
+
+
+def image_runs(work: SeqWork) -> list[tuple[int, int, PromptImage | None]]:
+    """The work's rows as runs of consecutive rows: (first, end) offsets into its tokens,
+    and the image whose positions they are (None: tokens). One run of tokens where no image
+    overlaps the work."""
+    first, end = work.start, work.start + len(work.tokens)
+    spans = sorted(((max(image.start, first), min(image.end, end), image)
+                    for image in work.images if image.start < end and image.end > first),
+                   key=lambda span: span[0])
+    runs: list[tuple[int, int, PromptImage | None]] = []
+    at = first
+    for start, stop, image in spans:
+        if start < at:
+            raise BackendError(f"images overlap at position {start} of seq {work.seq}")
+        if start > at:
+            runs.append((at - first, start - first, None))
+        runs.append((start - first, stop - first, image))
+        at = stop
+    if at < end:
+        runs.append((at - first, end - first, None))
+    return runs
+
+
+def has_image_rows(work: SeqWork) -> bool:
+    end = work.start + len(work.tokens)
+    return any(image.start < end and image.end > work.start for image in work.images)
+
+
 @attrs.frozen
 class ScoreRow:
     """A prompt row whose logits score the prompt's next token."""
@@ -105,8 +155,10 @@ class Stepper:
 
     def __init__(self, model: LlamaModel, samplers: Samplers, layouts: LayoutTimer, *,
                  separate_prompts: bool = True, pad_one_row: bool = False,
-                 drafter: DraftModel | None = None) -> None:
+                 drafter: DraftModel | None = None, projector: Projector | None = None
+                 ) -> None:
         self._model = model
+        self.projector = projector  # the vision projector, if one is loaded
         self._samplers = samplers
         self.layouts = layouts
         # Decode rows and a long prompt chunk in separate evaluations (SEPARATE_PROMPT_ROWS)
@@ -124,11 +176,21 @@ class Stepper:
         self.replayed_steps = 0  # evaluations of the tokens rejected drafts kept
         self.replayed_tokens = 0
         self._logits_gone = False  # a replay came after the last decode's sampling
+        self.image_runs = 0  # llama_decodes of image embeddings
 
     def evaluate(self, works: list[SeqWork]) -> list[StepResult]:
         """Evaluate the works in the shape the layouts chooses; their sampled tokens."""
         if not works:
             return []
+        if any(work.images for work in works):
+            imaged = [has_image_rows(work) for work in works]
+            if any(imaged):
+                others = [work for work, has in zip(works, imaged, strict=True) if not has]
+                results = self.evaluate(others)
+                for work, has in zip(works, imaged, strict=True):
+                    if has:
+                        results += self._evaluate_runs(work)
+                return results
         if any(work.guess for work in works):
             works = [self._guessed(work) for work in works]
         prompting = [work for work in works if work.prompt]
@@ -204,6 +266,75 @@ class Stepper:
         if rejected:
             self._replay(rejected)
         return sampled
+
+    def _evaluate_runs(self, work: SeqWork) -> list[StepResult]:
+        """A work whose tokens include image positions, run after run (image_runs)."""
+        if work.drafted or work.guess:
+            raise BackendError("a work with image positions cannot verify drafts")
+        if work.prompt_top_logprobs is not None:
+            raise BackendError("prompt tokens are not scored across an image")
+        runs = image_runs(work)
+        sampled: list[StepResult] = []
+        for index, (first, end, image) in enumerate(runs):
+            sample = work.sample and index == len(runs) - 1
+            start = work.start + first
+            tokens = work.tokens[first:end]
+            if image is None:
+                if min(tokens) < 0:
+                    raise BackendError(f"seq {work.seq} has an image id at position "
+                                       f"{start + tokens.index(min(tokens))} outside its images")
+                part = attrs.evolve(work, tokens=tokens, start=start, sample=sample, images=())
+                sampled += self.decode([part], outputs=0)
+            else:
+                sampled += self._decode_image(work.seq, image, start, tokens, sample=sample)
+        return sampled
+
+    def _decode_image(self, seq: int, image: PromptImage, start: int, tokens: tuple[int, ...],
+                      *, sample: bool) -> list[StepResult]:
+        """One llama_decode of `image`'s embedding rows for positions `start`.. (as many as
+        `tokens`, its ids there), padded as a prompt chunk; the last row sampled if asked."""
+        projector, model = self.projector, self._model
+        if projector is None:
+            raise BackendError("a prompt holds an image, and no projector is loaded")
+        offset = start - image.start
+        if tokens != image_token_ids(image.image.key, image.n_tokens)[offset:offset + len(tokens)]:
+            raise BackendError(f"seq {seq}'s ids at positions {start}.. are not its image's")
+        embd = projector.embeddings(image.image)
+        if len(embd) != image.n_tokens:
+            raise BackendError(f"the projector made {len(embd)} embeddings of an image that "
+                               f"takes {image.n_tokens} positions")
+        rows = np.ascontiguousarray(embd[offset:offset + len(tokens)], dtype=np.float32)
+        n_rows = len(rows)
+        padding = max(0, MIN_PROMPT_ROWS - n_rows)
+        batch = projector.batch
+        address = ctypes.cast(batch.embd, ctypes.c_void_p).value
+        assert address is not None
+        ctypes.memmove(address, rows.ctypes.data, rows.nbytes)
+        if padding:  # the scratch sequence's rows: zeros
+            ctypes.memset(address + rows.nbytes, 0, padding * rows.shape[1] * rows.itemsize)
+        for row in range(n_rows + padding):
+            ours = row < n_rows
+            batch.pos[row] = start + row if ours else row - n_rows
+            batch.n_seq_id[row] = 1
+            batch.seq_id[row][0] = seq if ours else model.pad_seq
+            batch.logits[row] = sample and row == n_rows - 1
+        batch.n_tokens = n_rows + padding
+        if model.lm_head is not None:
+            model.lm_head.arm(False)  # (llama.cpp's logits: one row at most, sampled now)
+        started = time.perf_counter()
+        status = int(ll.llama_decode(model.ctx, batch))
+        ll.llama_synchronize(model.ctx)
+        self._decode_seconds += time.perf_counter() - started
+        if padding:
+            ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)
+        if status != 0:
+            raise BackendError(f"llama_decode of an image's embeddings failed with status "
+                               f"{status}")
+        self.image_runs += 1
+        self.ours, self._logits_gone = False, False
+        if not sample:
+            return []
+        return list(self._samplers.sample_rows([(seq, n_rows - 1, 0)], ours=False))
 
     def _take_back(self, draft: DraftRows, kept: int) -> list[SeqWork]:
         """A draft's rows that were not kept leave the cache (each sample's token is the

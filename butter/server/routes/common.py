@@ -127,6 +127,7 @@ def unloaded_card(model_id: str) -> dict[str, Any]:
 
 
 def model_card(resident: ResidentModel) -> dict[str, Any]:
+    vision = resident.backend.vision
     return {
         "id": resident.model_id,
         "object": "model",
@@ -135,6 +136,11 @@ def model_card(resident: ResidentModel) -> dict[str, Any]:
         "loaded": True,
         "max_model_len": resident.max_context,
         "context_length": resident.max_context,
+        # llama-server's: "multimodal" with a projector (its Ollama-shaped list); Ollama's
+        # own word for it is "vision"; its router lists input_modalities.
+        "capabilities": ["completion", "vision"] if vision else ["completion"],
+        "architecture": {"input_modalities": ["text", "image"] if vision else ["text"],
+                         "output_modalities": ["text"]},
         "meta": resident.metadata(),
     }
 

@@ -1,0 +1,344 @@
+"""A vision projector (an "mmproj" GGUF) beside the text model, through llama.cpp's libmtmd
+(tools/mtmd, shipped in llama-cpp-python's wheel with its bindings, llama_cpp.mtmd_cpp).
+
+A prompt's images take positions of their own: libmtmd says how many (tokenize), and its
+encoder turns an image into that many rows of embeddings that the text model reads at those
+positions instead of token embeddings (embeddings; the step decodes them, batch.py). The
+research behind it, and llama-server's way, are in docs/design/images-plan.md.
+
+Loaded after the text model, on the backend's thread (its encoder runs llama.cpp's CPU
+threads there, as the steps do), and freed before it (libmtmd keeps the text model's
+pointer). butter evaluates projectors whose images take one position per embedding and are
+decoded with the causal mask, as text is; the others are refused at load (Projector.refusal).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import llama_cpp as ll
+import llama_cpp.mtmd_cpp as mtmd
+import numpy as np
+
+from butter.backends.base import BackendError, PromptImage, image_token_ids
+from butter.backends.gguf_tensors import GgufFormatError, read_header
+from butter.chat.images import DecodedImage
+from butter.errors import ModelLoadError
+
+# The embeddings of the last few images encoded, by key: a work may hold only part of an
+# image (a prompt chunk ends inside it, or a cached prefix does), and the next work its rest.
+EMBEDDING_CACHE_IMAGES = 4
+# Images tokenized for a prompt (libmtmd resized and normalized them then), kept by key
+# until the step that encodes them: at most this many, the oldest dropped (it is then
+# tokenized again, on the backend's thread).
+PENDING_IMAGES = 16
+# ggml's log levels (ggml.h): an error, and the continuation of the line before.
+_LOG_ERROR, _LOG_CONT = 4, 5
+# The GGUF keys that name a projector's type (a file with vision and audio names each).
+_TYPE_KEYS = ("clip.vision.projector_type", "clip.projector_type")
+_ARCHITECTURE = "general.architecture"  # "clip" for every projector llama.cpp writes
+
+
+class _Log:
+    """libmtmd's log: silent, but for what it says while a load listens (the reason it
+    refuses a file). Installed before every load (a test may have installed its own since);
+    the callback lives as long as the process, as libmtmd keeps its pointer."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # one listener at a time
+        self._heard: list[tuple[int, str]] | None = None
+        self._callback = ll.llama_log_callback(self._record)
+
+    def _record(self, level: int, text: bytes | None, user_data: Any) -> None:
+        heard = self._heard
+        if heard is not None:
+            heard.append((level, (text or b"").decode("utf-8", errors="replace")))
+
+    @contextlib.contextmanager
+    def listening(self) -> Iterator[list[tuple[int, str]]]:
+        with self._lock:
+            mtmd.mtmd_helper_log_set(self._callback, None)
+            heard: list[tuple[int, str]] = []
+            self._heard = heard
+            try:
+                yield heard
+            finally:
+                self._heard = None
+
+
+_LOG = _Log()
+
+
+def _reason(heard: list[tuple[int, str]]) -> str:
+    """libmtmd's error lines, as one sentence (else its last words)."""
+    errors: list[str] = []
+    for level, text in heard:
+        if level == _LOG_ERROR or (level == _LOG_CONT and errors):
+            errors.append(text)
+    lines = [line.strip() for line in "".join(errors).splitlines() if line.strip()]
+    if not lines:
+        lines = [text.strip() for _, text in heard[-3:] if text.strip()]
+    # "clip_init: failed to load model '...': load_hparams: unknown projector type: xyz"
+    return "; ".join(dict.fromkeys(lines)) or "libmtmd gave no reason"
+
+
+def projector_type(path: Path) -> str | None:
+    """The projector's type as its file names it (clip.projector_type: "mlp", "gemma3",
+    "qwen3vl_merger", ...), None where the file does not say."""
+    header = _header(path)
+    for key in _TYPE_KEYS:
+        value = header.get(key)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _header(path: Path) -> dict[str, object]:
+    try:
+        return read_header(path, keys=(*_TYPE_KEYS, _ARCHITECTURE)).metadata
+    except (OSError, GgufFormatError, ValueError, struct.error):  # (libmtmd says why)
+        return {}
+
+
+def _not_a_projector(path: Path) -> str:
+    """A word on a file libmtmd refused, where its header says it is no projector."""
+    architecture = _header(path).get(_ARCHITECTURE)
+    if isinstance(architecture, str) and architecture != "clip":
+        return f" (it is a {architecture} model, not a projector)"
+    return ""
+
+
+class Projector:
+    """libmtmd's context for one projector file and one loaded text model, the embedding
+    batch its images are decoded in, and the images on their way to the encoder."""
+
+    def __init__(self, path: Path, model: Any, *, n_batch: int, threads: int) -> None:
+        """`model`: the text model (llama_model *); `n_batch`: the rows of a step's batch;
+        `threads`: the encoder's (the step team's size at load)."""
+        self.path = path
+        if not path.is_file():
+            raise ModelLoadError(f"projector file not found: {path}")
+        self.type = projector_type(path)
+        self.ctx: Any = None
+        self.batch: Any = None
+        self._pending: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._pending_lock = threading.Lock()
+        self._embeddings: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.encoded_images = 0
+        self.encode_seconds = 0.0
+        params = mtmd.mtmd_context_params_default()
+        params.use_gpu = False  # (the wheel is CPU-only; a GPU build's projector: unmeasured)
+        params.n_threads = threads
+        params.print_timings = False
+        params.warmup = True  # its graph allocated now, not in a request's first step
+        with _LOG.listening() as heard:
+            ctx = mtmd.mtmd_init_from_file(str(path).encode(), model, params)
+        if not ctx:
+            raise ModelLoadError(f"the projector {path} cannot serve this model: "
+                                 f"{_reason(heard)}{_not_a_projector(path)}")
+        self.ctx = ctx
+        try:
+            refusal = self.refusal()
+            if refusal is not None:
+                kind = f" ({self.type})" if self.type else ""
+                raise ModelLoadError(f"the projector {path}{kind} is not supported yet: {refusal}")
+            self.n_embd = int(ll.llama_model_n_embd_inp(model))
+            self.batch = ll.llama_batch_init(n_batch, self.n_embd, 1)
+        except BaseException:
+            self.free()
+            raise
+
+    def refusal(self) -> str | None:
+        """Why butter cannot evaluate this projector's images yet; None: it can."""
+        ctx = self.ctx
+        if not mtmd.mtmd_support_vision(ctx):
+            return "it has no vision encoder (an audio projector), and butter takes images only"
+        if mtmd.mtmd_decode_use_mrope(ctx):
+            return ("the model gives an image's embeddings M-RoPE positions (Qwen2-VL, "
+                    "Qwen2.5-VL, Qwen3-VL, Qwen3.5): fewer positions than cells, which "
+                    "butter's sequences do not keep yet")
+        if mtmd.mtmd_decode_use_non_causal(ctx, None):
+            return ("its images are decoded with a non-causal mask (Gemma 3 and its kind), "
+                    "each alone in one micro-batch, which butter's steps do not do yet")
+        return None
+
+    # ------------------------------------------------------------------ prompts
+
+    def tokenize(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+                 add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        """A prompt's ids: each text piece tokenized on its own (special tokens parsed, as
+        butter tokenizes), the begin/end-of-image text the projector asks for, and
+        image_token_ids at each image's positions; BOS first where `add_bos` and the
+        vocabulary has one. libmtmd's mtmd_tokenize_from_parts, so no marker exists that
+        a user's text could imitate. Thread-safe (libmtmd's tokenizer is)."""
+        if len(texts) != len(images) + 1:
+            raise BackendError(f"{len(texts)} text pieces for {len(images)} images: there "
+                               "must be one more")
+        encoded = [text.encode("utf-8") for text in texts]
+        inputs = [mtmd.mtmd_input_text(data, len(data), False, True) for data in encoded]
+        bitmaps = [_bitmap(image) for image in images]
+        parts = [mtmd.mtmd_input_part(ctypes.pointer(inputs[0]), None)]
+        for bitmap, text in zip(bitmaps, inputs[1:], strict=True):
+            parts.append(mtmd.mtmd_input_part(None, bitmap))
+            parts.append(mtmd.mtmd_input_part(ctypes.pointer(text), None))
+        array = (ctypes.POINTER(mtmd.mtmd_input_part) * len(parts))(
+            *(ctypes.pointer(part) for part in parts))
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            status = mtmd.mtmd_tokenize_from_parts(self.ctx, chunks, array, len(parts), add_bos)
+            if status != 0:
+                raise BackendError(f"libmtmd could not tokenize the prompt's images (status "
+                                   f"{status})")
+            return self._read_chunks(chunks, images)
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            for bitmap in bitmaps:
+                mtmd.mtmd_bitmap_free(bitmap)
+
+    def _read_chunks(self, chunks: Any, images: Sequence[DecodedImage]
+                     ) -> tuple[list[int], list[PromptImage]]:
+        ids: list[int] = []
+        placed: list[PromptImage] = []
+        kept: list[tuple[str, Any]] = []
+        try:
+            for index in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, index)
+                kind = mtmd.mtmd_input_chunk_get_type(chunk)
+                if kind == mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                    count = ctypes.c_size_t(0)
+                    tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
+                    ids += tokens[:count.value]
+                    continue
+                image = images[len(placed)] if len(placed) < len(images) else None
+                if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE or image is None or (
+                        mtmd.mtmd_input_chunk_get_id(chunk) != image.key.encode()):
+                    raise BackendError(
+                        f"the projector ({self.type or 'unknown type'}) makes several chunks "
+                        "of one image (slices or tiles): not supported yet")
+                n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+                n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
+                if n_pos != n_tokens:
+                    raise BackendError(f"an image of {n_tokens} embeddings takes {n_pos} "
+                                       "positions: butter gives each embedding its own")
+                placed.append(PromptImage(len(ids), n_tokens, image))
+                ids += image_token_ids(image.key, n_tokens)
+                kept.append((image.key, mtmd.mtmd_input_chunk_copy(chunk)))
+            if len(placed) != len(images):
+                raise BackendError(f"libmtmd placed {len(placed)} of {len(images)} images")
+        except BaseException:
+            for _, chunk in kept:
+                mtmd.mtmd_input_chunk_free(chunk)
+            raise
+        self._keep(kept)
+        return ids, placed
+
+    def _keep(self, chunks: list[tuple[str, Any]]) -> None:
+        """Keep tokenized images for their encode (at most PENDING_IMAGES, newest last)."""
+        dropped = []
+        with self._pending_lock:
+            for key, chunk in chunks:
+                if key in self._pending:
+                    dropped.append(chunk)
+                    self._pending.move_to_end(key)
+                else:
+                    self._pending[key] = chunk
+            while len(self._pending) > PENDING_IMAGES:
+                dropped.append(self._pending.popitem(last=False)[1])
+        for chunk in dropped:
+            mtmd.mtmd_input_chunk_free(chunk)
+
+    # ------------------------------------------------------------------ embeddings
+
+    def embeddings(self, image: DecodedImage) -> np.ndarray:
+        """The image's embeddings, one row (n_embd floats) per position: from the cache of
+        the last few, else encoded now (on the backend's thread: the encoder's output is one
+        buffer of libmtmd's context)."""
+        cached = self._embeddings.get(image.key)
+        if cached is not None:
+            self._embeddings.move_to_end(image.key)
+            return cached
+        with self._pending_lock:
+            chunk = self._pending.pop(image.key, None)
+        if chunk is None:  # (dropped, or never tokenized here: a restored prompt)
+            chunk = self._image_chunk(image)
+        try:
+            started = time.perf_counter()
+            status = mtmd.mtmd_encode_chunk(self.ctx, chunk)
+            if status != 0:
+                raise BackendError(f"libmtmd could not encode an image (status {status})")
+            n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
+            output = mtmd.mtmd_get_output_embd(self.ctx)
+            rows = np.ctypeslib.as_array(output, shape=(n_tokens * self.n_embd,))
+            embd = rows.reshape(n_tokens, self.n_embd).copy()  # (the next encode overwrites it)
+            self.encode_seconds += time.perf_counter() - started
+            self.encoded_images += 1
+        finally:
+            mtmd.mtmd_input_chunk_free(chunk)
+        self._embeddings[image.key] = embd
+        while len(self._embeddings) > EMBEDDING_CACHE_IMAGES:
+            self._embeddings.popitem(last=False)
+        return embd
+
+    def _image_chunk(self, image: DecodedImage) -> Any:
+        """The image alone, tokenized: a copy of its image chunk (the caller frees it)."""
+        bitmap = _bitmap(image)
+        part = mtmd.mtmd_input_part(None, bitmap)
+        array = (ctypes.POINTER(mtmd.mtmd_input_part) * 1)(ctypes.pointer(part))
+        chunks = mtmd.mtmd_input_chunks_init()
+        try:
+            status = mtmd.mtmd_tokenize_from_parts(self.ctx, chunks, array, 1, False)
+            if status != 0:
+                raise BackendError(f"libmtmd could not tokenize an image (status {status})")
+            for index in range(mtmd.mtmd_input_chunks_size(chunks)):
+                chunk = mtmd.mtmd_input_chunks_get(chunks, index)
+                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    return mtmd.mtmd_input_chunk_copy(chunk)
+            raise BackendError("libmtmd made no image chunk of an image")
+        finally:
+            mtmd.mtmd_input_chunks_free(chunks)
+            mtmd.mtmd_bitmap_free(bitmap)
+
+    def describe(self) -> dict[str, Any]:
+        """What /v1/server shows of the projector."""
+        return {"path": str(self.path), "type": self.type,
+                "encoded_images": self.encoded_images,
+                "encode_seconds": round(self.encode_seconds, 3)}
+
+    # ------------------------------------------------------------------ teardown
+
+    def free(self) -> None:
+        """Free libmtmd's context, the batch and the images kept (before the text model)."""
+        with self._pending_lock:
+            pending, self._pending = list(self._pending.values()), collections.OrderedDict()
+        for chunk in pending:
+            mtmd.mtmd_input_chunk_free(chunk)
+        self._embeddings.clear()
+        if self.batch is not None:
+            ll.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx is not None:
+            mtmd.mtmd_free(self.ctx)
+            self.ctx = None
+
+
+def _bitmap(image: DecodedImage) -> Any:
+    """A libmtmd bitmap of the image's RGB pixels (libmtmd copies them), its id the image's
+    key (the chunk's id then, which tokenize checks)."""
+    size = image.width * image.height * 3
+    if image.width <= 0 or image.height <= 0 or len(image.rgb) != size:
+        raise BackendError(f"an image of {image.width}x{image.height} pixels needs {size} RGB "
+                           f"bytes, not {len(image.rgb)}")
+    pixels = ctypes.cast(ctypes.c_char_p(image.rgb), ctypes.POINTER(ctypes.c_uint8))
+    bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, pixels)
+    if not bitmap:
+        raise BackendError("libmtmd could not take the image's pixels")
+    mtmd.mtmd_bitmap_set_id(bitmap, image.key.encode())
+    return bitmap
