@@ -133,6 +133,7 @@ async def serve_command(settings: ServeSettings) -> None:
         host=settings.host, port=settings.port, holder=holder,
         max_body_bytes=settings.max_body_bytes, shutdown_grace=settings.shutdown_grace,
         stream_flush=settings.stream_flush, max_messages=settings.max_messages,
+        max_images=settings.max_images,
         api_keys=keys, body_timeout=settings.body_timeout,
         write_timeout=settings.write_timeout, max_connections=settings.max_connections,
         allowed_hosts=settings.allowed_hosts, cors_origins=settings.cors_origins,

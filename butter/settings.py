@@ -12,6 +12,11 @@ from typing import Any, TypeVar, cast
 import attrs
 
 from butter import cpu
+from butter.chat.images import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES,
+)
 from butter.engine import checkpoints
 
 DEFAULT_HOST = "127.0.0.1"
@@ -279,6 +284,20 @@ class ServeSettings:
     max_messages: int = flag(
         DEFAULT_MAX_MESSAGES, type=_positive, group=SERVER,
         help="messages allowed in one request (default %(default)s)")
+    # Images sent to a model with a projector (--mmproj); each limit refuses with a 400.
+    max_images: int = flag(
+        DEFAULT_MAX_IMAGES, type=_positive, group=SERVER,
+        help="images allowed in one request, counted in all its messages (default "
+             "%(default)s)")
+    max_image_bytes: int = flag(
+        DEFAULT_MAX_IMAGE_BYTES, type=_positive, group=SERVER,
+        help="bytes one image file may have, checked before it is decoded; the request body "
+             "holds it as base64, a third larger, within --max-body-bytes (default "
+             "%(default)s)")
+    max_image_pixels: int = flag(
+        DEFAULT_MAX_IMAGE_PIXELS, type=_positive, group=SERVER,
+        help="pixels (width x height) one image may have, read from its header before its "
+             "pixels are decoded (default %(default)s)")
     write_timeout: float = flag(
         DEFAULT_WRITE_TIMEOUT_SECONDS, type=float, from_flag=_at_least_zero, group=SERVER,
         help="seconds a response may wait for a client that reads nothing; then its "

@@ -68,7 +68,7 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
         ({"messages": [USER], "stop": 5}, "stop"),
         ({"messages": [USER], "stream": "yes"}, "stream"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-         "messages[0].content"),
+         "messages[0].content[0].image_url"),
     ],
 )
 def test_bad_requests_name_the_field(payload: object, param: str) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 
 from butter.backends.base import BackendError
+from butter.chat.images import DecodedImage, check_image_count, decode_image
 from butter.chat.markup import THINK_CLOSE, THINK_OPEN
 from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
 from butter.chat.template import final_message_content
@@ -247,3 +248,21 @@ def fit_completion(
             f"tokens = {prompt_tokens + max_tokens}, but the maximum context is "
             f"{max_context} tokens (--strict-max-tokens)", param="max_tokens")
     return room
+
+
+def decode_images(resident: ResidentModel, prompt: ChatPrompt) -> list[DecodedImage]:
+    """The prompt's images decoded, in the order they appear (ChatPrompt.images()), within
+    the server's limits (--max-images, --max-image-bytes, --max-image-pixels); blocking
+    (Pillow, on the prepare worker thread). A model without a projector takes none: the
+    first image is refused, naming the flag that gives it one."""
+    images = prompt.images()
+    if not images:
+        return []
+    if not resident.backend.vision:
+        raise InvalidRequest(
+            f"this model ({resident.model_id}) takes no images: start butter with --mmproj "
+            "<projector.gguf> (the vision projector GGUF published beside the model, "
+            "llama-server's --mmproj) to send it images", param=images[0].param)
+    limits = resident.image_limits
+    check_image_count(len(images), limits)
+    return [decode_image(image, limits) for image in images]

@@ -12,6 +12,7 @@ import attrs
 import trio
 
 from butter.backends.base import Backend
+from butter.chat.images import ImageLimits
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
 from butter.engine.prefix_cache import CheckpointStats
@@ -118,6 +119,9 @@ class ResidentModel:
         )
         self.kv_requested = settings.kv_cache
         self.strict_max_tokens = settings.strict_max_tokens
+        self.image_limits = ImageLimits(max_bytes=settings.max_image_bytes,
+                                        max_pixels=settings.max_image_pixels,
+                                        max_images=settings.max_images)
         self.aura_decode_path = settings.aura_decode_path
 
     @classmethod

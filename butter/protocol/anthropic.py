@@ -31,7 +31,14 @@ from typing import Any, Literal
 import attrs
 
 from butter.chat import grammar as grammars
-from butter.chat.request import ChatPrompt, FinishReason, GenerationRequest, Usage
+from butter.chat.request import (
+    IMAGE_PART,
+    ChatPrompt,
+    FinishReason,
+    GenerationRequest,
+    ImageInput,
+    Usage,
+)
 from butter.chat.tool_calls import arguments_object
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
@@ -53,6 +60,8 @@ class Block:
     is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
+    # image blocks: {"type": "base64", "media_type": "image/png", "data": "..."}
+    source: dict[str, Any] | None = None
 
 
 @attrs.frozen
@@ -269,25 +278,76 @@ def _user_messages(message: Message, index: int) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     results: list[dict[str, Any]] = []
-    texts: list[str] = []
-    for block in message.content:
+    parts: list[dict[str, Any]] = []
+    for number, block in enumerate(message.content):
         if block.type == "tool_result":
             results.append({"role": "tool", "tool_call_id": block.tool_use_id or "",
-                            "content": _tool_result_text(block, index)})
+                            "content": _tool_result_content(block, index, number)})
+        elif block.type == "image":
+            parts.append(_image_part(block, f"messages.{index}.content.{number}"))
         else:
-            texts.append(_text_of(block, f"messages.{index}.content"))
-    if texts:
-        results.append({"role": "user", "content": "\n\n".join(texts)})
+            parts.append(_text_part(_text_of(block, f"messages.{index}.content")))
+    if parts:
+        results.append({"role": "user", "content": _content(parts)})
     return results
 
 
-def _tool_result_text(block: Block, index: int) -> str:
+def _tool_result_content(block: Block, index: int, number: int) -> str | list[dict[str, Any]]:
+    """A tool result's text, or where it holds images (Claude Code's screenshots and the
+    PNG files it reads), its text and image parts."""
     content = block.content
     if content is None or isinstance(content, str):
-        text = content or ""
+        parts = [_text_part(content or "")]
     else:
-        text = "\n\n".join(_tool_result_part(part, index) for part in content)
-    return f"Error: {text}" if block.is_error else text
+        where = f"messages.{index}.content.{number}.content"
+        parts = [_image_part(part, f"{where}.{item}") if part.type == "image"
+                 else _text_part(_tool_result_part(part, index))
+                 for item, part in enumerate(content)]
+    if block.is_error:
+        parts.insert(0, _text_part("Error: "))
+    return _content(parts, glue_first=block.is_error is True)
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def _content(parts: list[dict[str, Any]], *, glue_first: bool = False
+             ) -> str | list[dict[str, Any]]:
+    """Content blocks as the template takes them: text blocks one after another joined by
+    a blank line (`glue_first`: the first two without one: a prefix), images between them
+    as their own parts; without images, the text alone (a string, as before images)."""
+    merged: list[dict[str, Any]] = []
+    for number, part in enumerate(parts):
+        previous = merged[-1] if merged else None
+        if part["type"] == "text" and previous is not None and previous["type"] == "text":
+            glue = "" if glue_first and number == 1 else "\n\n"
+            previous["text"] = f"{previous['text']}{glue}{part['text']}"
+        else:
+            merged.append(dict(part))
+    if all(part["type"] == "text" for part in merged):
+        return "".join(part["text"] for part in merged)
+    return merged
+
+
+def _image_part(block: Block, where: str) -> dict[str, Any]:
+    """An image block's image: base64 only. A URL is not fetched (a server that fetches
+    what a request names can be made to reach what only it can reach)."""
+    source = block.source or {}
+    kind = source.get("type")
+    param = f"{where}.source"
+    if kind == "url":
+        raise InvalidRequest(f"{param}: remote images are not fetched: send the image as "
+                             'base64 (source.type "base64")', param=param)
+    if kind != "base64":
+        raise InvalidRequest(f'{param}.type: must be "base64" (images are sent inline), got '
+                             f"{kind!r}", param=f"{param}.type")
+    data, media_type = source.get("data"), source.get("media_type")
+    if not isinstance(data, str) or not (media_type is None or isinstance(media_type, str)):
+        raise InvalidRequest(f"{param}: data must be a base64 string and media_type a string",
+                             param=f"{param}.data")
+    return {"type": IMAGE_PART, "image": ImageInput(data=data, media_type=media_type,
+                                                    param=f"{param}.data")}
 
 
 def _tool_result_part(part: Block, index: int) -> str:

@@ -4,7 +4,10 @@ validation, response bodies (pure).
 For the apps that speak only Ollama (Zed, JetBrains AI, n8n, Cline, Roo Code, Goose, Open
 WebUI's Ollama connection). Requests become the neutral GenerationRequest directly;
 answers are NDJSON lines, errors `{"error": "..."}`. What Ollama does and butter cannot
-(images, `context` token lists, a custom `template`) is refused with a 400, never dropped.
+(`context` token lists, a custom `template`) is refused with a 400, never dropped.
+
+A message's `images` (base64) come before its text, as Ollama puts them; /api/generate's
+go with its prompt the same way, through the chat template (a raw prompt takes none).
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ import attrs
 
 from butter.chat import grammar as grammars
 from butter.chat.markup import ToolCall
-from butter.chat.request import ChatPrompt, GenerationRequest, Prompt, TextPrompt
+from butter.chat.request import (
+    IMAGE_PART,
+    ChatPrompt,
+    GenerationRequest,
+    ImageInput,
+    Prompt,
+    TextPrompt,
+)
 from butter.chat.tool_calls import arguments_object
 from butter.errors import InvalidRequest
 from butter.protocol.convert import make_converter, structure_request
@@ -28,6 +38,7 @@ from butter.sampling import MAX_SEED, SamplingParams
 # The Ollama API release whose routes and fields these follow (GET /api/version).
 API_VERSION = "0.12.0"
 ROLES = ("system", "user", "assistant", "tool")
+IMAGE_ROLES = ("user", "tool")  # (a tool's result may be a screenshot)
 THINK_LEVELS = ("low", "medium", "high")
 
 
@@ -131,8 +142,11 @@ def parse_chat_request(payload: Any) -> ChatRequest:
             raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(ROLES)}",
                                  param="messages")
         if message.images:
-            raise InvalidRequest("images are not supported: this server serves text models",
-                                 param="messages")
+            if message.role not in IMAGE_ROLES:
+                raise InvalidRequest(f"messages[{index}].images: images are taken in user and "
+                                     f"tool messages, not in a {message.role} message",
+                                     param=f"messages[{index}].images")
+            _check_images(message.images, f"messages[{index}].images")
     _check_common(request.think, request.options)
     return request
 
@@ -140,8 +154,10 @@ def parse_chat_request(payload: Any) -> ChatRequest:
 def parse_generate_request(payload: Any) -> GenerateRequest:
     request = structure_request(_converter, payload, GenerateRequest)
     if request.images:
-        raise InvalidRequest("images are not supported: this server serves text models",
-                             param="images")
+        if request.raw or request.suffix is not None:
+            raise InvalidRequest("images go through the chat template: a raw prompt (raw: "
+                                 "true, or a suffix) takes none", param="images")
+        _check_images(request.images, "images")
     if request.context:
         raise InvalidRequest("context (token ids of an earlier answer) is not supported: "
                              "send the conversation as text, or use /api/chat", param="context")
@@ -150,6 +166,25 @@ def parse_generate_request(payload: Any) -> GenerateRequest:
                              "or raw: true for none", param="template")
     _check_common(request.think, request.options)
     return request
+
+
+def _check_images(images: list[Any], where: str) -> None:
+    for number, image in enumerate(images):
+        if not isinstance(image, str):
+            raise InvalidRequest(f"{where}[{number}] must be a base64 string",
+                                 param=f"{where}[{number}]")
+
+
+def _with_images(text: str, images: list[Any] | None, where: str
+                 ) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or where it has images, the images first (as Ollama
+    puts them) and then its text."""
+    if not images:
+        return text
+    parts: list[dict[str, Any]] = [
+        {"type": IMAGE_PART, "image": ImageInput(data=image, param=f"{where}[{number}]")}
+        for number, image in enumerate(images)]
+    return [*parts, {"type": "text", "text": text}] if text else parts
 
 
 def parse_model_request(payload: Any) -> ModelRequest:
@@ -185,7 +220,8 @@ def _template_messages(messages: list[Message]) -> list[dict[str, Any]]:
     rendered: list[dict[str, Any]] = []
     unanswered: list[str] = []
     for turn, message in enumerate(messages):
-        item: dict[str, Any] = {"role": message.role, "content": message.content or ""}
+        item: dict[str, Any] = {"role": message.role, "content": _with_images(
+            message.content or "", message.images, f"messages[{turn}].images")}
         if message.thinking:
             item["reasoning_content"] = message.thinking
         if message.tool_calls:
@@ -282,8 +318,9 @@ def generate_generation(request: GenerateRequest) -> GenerationRequest:
         prompt = TextPrompt(request.prompt, suffix=request.suffix)
     else:
         messages = [{"role": "system", "content": request.system}] if request.system else []
-        prompt = ChatPrompt([*messages, {"role": "user", "content": request.prompt}],
-                            template_kwargs=_template_kwargs(request.think))
+        prompt = ChatPrompt([*messages, {"role": "user", "content": _with_images(
+            request.prompt, request.images, "images")}],
+            template_kwargs=_template_kwargs(request.think))
     return GenerationRequest(
         prompt=prompt, sampling=_sampling(request.options, _format_constraint(request.format)),
         max_tokens=_max_tokens(request.options), stop=_stops(request.options))

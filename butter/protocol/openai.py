@@ -10,9 +10,11 @@ import attrs
 
 from butter.chat import grammar as grammars
 from butter.chat.request import (
+    IMAGE_PART,
     ChatPrompt,
     FinishReason,
     GenerationRequest,
+    ImageInput,
     Logprobs,
     Prompt,
     Timings,
@@ -34,6 +36,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class ContentPart:
     type: str
     text: str | None = None
+    # {"url": "data:image/png;base64,...", "detail": ...}; some clients send the URL alone.
+    image_url: dict[str, Any] | str | None = None
 
 
 @attrs.frozen
@@ -162,12 +166,9 @@ def _validate(request: ChatCompletionRequest) -> None:
                 f"messages[{index}].role must be one of {', '.join(ROLES)}; got {message.role!r}",
                 param=f"messages[{index}].role",
             )
-        for part in message.content if isinstance(message.content, list) else []:
-            if part.type != "text" or part.text is None:
-                raise InvalidRequest(
-                    f"messages[{index}].content: only text parts are supported, got {part.type!r}",
-                    param=f"messages[{index}].content",
-                )
+        for number, part in enumerate(message.content if isinstance(message.content, list)
+                                      else []):
+            _check_part(message.role, part, f"messages[{index}].content[{number}]")
     check_sampling_ranges(request)
     if request.seed is not None and not 0 <= request.seed <= MAX_SEED:
         raise InvalidRequest(f"seed must be between 0 and {MAX_SEED}", param="seed")
@@ -183,6 +184,47 @@ def _validate(request: ChatCompletionRequest) -> None:
     _validate_tools(request)
     _validate_response_format(request.response_format)
     _validate_continuation(request)
+
+
+# Roles whose content may hold images: OpenAI takes them in user messages; a tool's result
+# may be a screenshot too (vLLM and llama-server take them there).
+IMAGE_ROLES = ("user", "tool")
+
+
+def _check_part(role: str, part: ContentPart, where: str) -> None:
+    if part.type == "text" and part.text is not None:
+        return
+    if part.type != "image_url":
+        raise InvalidRequest(f"{where}: only text and image_url parts are supported, got "
+                             f"{part.type!r}", param=where)
+    if role not in IMAGE_ROLES:
+        raise InvalidRequest(f"{where}: images are taken in user and tool messages, not in "
+                             f"a {role} message", param=where)
+    image_input(part, where)  # (validates)
+
+
+def image_input(part: ContentPart, where: str) -> ImageInput:
+    """An image_url part's image: a base64 data URL (data:image/png;base64,...). A remote
+    URL is not fetched (a server that fetches what a request names can be made to reach
+    what only it can reach); a file: URL never is."""
+    url = part.image_url.get("url") if isinstance(part.image_url, dict) else part.image_url
+    param = f"{where}.image_url" + (".url" if isinstance(part.image_url, dict) else "")
+    if not isinstance(url, str):
+        raise InvalidRequest(f"{where}.image_url must be an object with a url (a "
+                             "data:image/...;base64 URL)", param=param)
+    scheme = url[:8].lower()
+    if scheme.startswith(("http://", "https://")):
+        raise InvalidRequest(f"{param}: remote images are not fetched: send the image "
+                             "inline as a data URL (data:image/png;base64,...)", param=param)
+    header, comma, data = url.partition(",") if scheme.startswith("data:") else ("", "", "")
+    if not comma or not header.lower().endswith(";base64"):
+        raise InvalidRequest(f"{param} must be a base64 data URL "
+                             "(data:image/png;base64,...)", param=param)
+    media_type = header[len("data:"):].split(";")[0].strip().lower() or None
+    if media_type is not None and not media_type.startswith("image/"):
+        raise InvalidRequest(f"{param}: a data URL of {media_type} is not an image",
+                             param=param)
+    return ImageInput(data=data, media_type=media_type, param=param)
 
 
 def _validate_continuation(request: ChatCompletionRequest) -> None:
@@ -335,13 +377,26 @@ def message_text(content: str | list[ContentPart] | None) -> str | None:
     return "".join(part.text or "" for part in content)
 
 
+def message_content(content: str | list[ContentPart] | None, index: int
+                    ) -> str | list[dict[str, Any]] | None:
+    """A message's content for the template: its text, or where it holds images, its
+    parts in order, text ({"type": "text", "text": ...}) and images (IMAGE_PART)."""
+    if not isinstance(content, list) or all(part.type == "text" for part in content):
+        return message_text(content)
+    return [{"type": IMAGE_PART,
+             "image": image_input(part, f"messages[{index}].content[{number}]")}
+            if part.type == "image_url" else {"type": "text", "text": part.text or ""}
+            for number, part in enumerate(content)]
+
+
 def template_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: text content, tool-call arguments as objects."""
     rendered: list[dict[str, Any]] = []
-    for message in request.messages:
+    for index, message in enumerate(request.messages):
         # OpenAI's `developer` replaces `system`; most templates know only the latter.
         role = "system" if message.role == "developer" else message.role
-        item: dict[str, Any] = {"role": role, "content": message_text(message.content)}
+        item: dict[str, Any] = {"role": role, "content": message_content(message.content,
+                                                                          index)}
         if message.name is not None:
             item["name"] = message.name
         if message.tool_call_id is not None:

@@ -21,6 +21,7 @@ from typing import Any
 import trio
 from hypercorn.config import Config
 
+from butter.chat.images import DEFAULT_MAX_IMAGES
 from butter.server.access import AccessPolicy, ApiKeys
 from butter.server.app import HttpLimits, create_app
 from butter.server.connections import ConnectionCollector, Connections, serve_hypercorn
@@ -83,7 +84,8 @@ class ServeServer:
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_SECONDS,
         stream_flush: float = DEFAULT_STREAM_FLUSH_SECONDS,
-        max_messages: int = DEFAULT_MAX_MESSAGES, api_key: str | None = None,
+        max_messages: int = DEFAULT_MAX_MESSAGES, max_images: int = DEFAULT_MAX_IMAGES,
+        api_key: str | None = None,
         body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS,
         write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECONDS,
         max_connections: int | None = None, api_keys: ApiKeys | None = None,
@@ -102,6 +104,7 @@ class ServeServer:
         self.access = AccessPolicy(bound_host=host, allowed_hosts=allowed_hosts,
                                    cors_origins=cors_origins)
         self.limits = HttpLimits(max_body_bytes=max_body_bytes, max_messages=max_messages,
+                                 max_images=max_images,
                                  stream_flush=stream_flush, api_keys=api_keys,
                                  access=self.access, body_timeout=body_timeout, ui=ui)
         self.host = host

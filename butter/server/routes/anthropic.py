@@ -24,8 +24,9 @@ async def create_message() -> Response:
     server = served()
     messages_request = anthropic_wire.parse_messages_request(await json_body())
     server.check_messages(len(messages_request.messages))
-    resident, prepared = await resident_and_prepared(
-        messages_request.model, anthropic_wire.generation_request(messages_request))
+    generation = anthropic_wire.generation_request(messages_request)
+    server.check_images(generation.prompt)
+    resident, prepared = await resident_and_prepared(messages_request.model, generation)
     watch = server.observer("/v1/messages")
     show_thinking = anthropic_wire.shows_thinking(messages_request)
     if not messages_request.stream:
@@ -40,6 +41,7 @@ async def create_message() -> Response:
 async def count_tokens() -> Response:
     count_request = anthropic_wire.parse_count_tokens_request(await json_body())
     generation = anthropic_wire.generation_request(count_request)
+    served().check_images(generation.prompt)
     resident = await served().holder.resident_for(None)  # waits out a swap, never starts one
     check_model(resident, count_request.model)
     prepared = await prepare(resident, generation)

@@ -13,7 +13,8 @@ import attrs
 import trio
 from quart import Response, current_app, request
 
-from butter.chat.request import GenerationRequest
+from butter.chat.images import DEFAULT_MAX_IMAGES, ImageLimits, check_image_count
+from butter.chat.request import ChatPrompt, GenerationRequest, Prompt
 from butter.errors import InvalidRequest, ModelNotFound
 from butter.pipeline import prepare as preparing
 from butter.pipeline.prepare import PreparedGeneration
@@ -37,6 +38,7 @@ EXTENSION = "butter"  # the app's extensions key for `Served`
 class HttpLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_messages: int = DEFAULT_MAX_MESSAGES
+    max_images: int = DEFAULT_MAX_IMAGES
     body_timeout: float = DEFAULT_BODY_TIMEOUT_SECONDS
     stream_flush: float = 0.0
     api_keys: ApiKeys = attrs.field(factory=ApiKeys)  # none: no key needed
@@ -62,6 +64,13 @@ class Served:
             raise InvalidRequest(
                 f"{count} messages exceed the limit of {self.limits.max_messages}",
                 param="messages")
+
+    def check_images(self, prompt: Prompt, param: str = "messages") -> None:
+        """A chat prompt's images, counted as the request is read (before a model swaps
+        in or any image is decoded)."""
+        if isinstance(prompt, ChatPrompt):
+            check_image_count(len(prompt.images()), ImageLimits(
+                max_images=self.limits.max_images), param)
 
 
 def served() -> Served:

@@ -76,8 +76,10 @@ async def chat() -> Response:
     server = served()
     chat_request = ollama_wire.parse_chat_request(await json_body())
     server.check_messages(len(chat_request.messages))
-    resident, prepared = await resident_and_prepared(
-        _model_name(chat_request.model), ollama_wire.chat_generation(chat_request))
+    generation = ollama_wire.chat_generation(chat_request)
+    server.check_images(generation.prompt)
+    resident, prepared = await resident_and_prepared(_model_name(chat_request.model),
+                                                     generation)
     return await _answer(resident, prepared, "/api/chat", ollama.CHAT,
                          stream=chat_request.stream)
 
@@ -85,8 +87,12 @@ async def chat() -> Response:
 @routes.post("/generate")
 async def generate() -> Response:
     generate_request = ollama_wire.parse_generate_request(await json_body())
+    if generate_request.images:  # (counted before a model swaps in)
+        served().check_images(ollama_wire.generate_generation(generate_request).prompt,
+                              "images")
     resident = await served().holder.resident_for(_model_name(generate_request.model))
-    if not generate_request.prompt and generate_request.suffix is None:
+    if not (generate_request.prompt or generate_request.images
+            or generate_request.suffix is not None):
         # Ollama's way to load a model: an empty prompt, answered at once.
         return json_response(ollama_wire.generate_body(resident.model_id, "", done=True,
                                                        reason="load"))

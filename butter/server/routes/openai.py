@@ -39,8 +39,9 @@ async def chat() -> Response:
     server = served()
     chat_request = openai_wire.parse_chat_request(await json_body())
     server.check_messages(len(chat_request.messages))
-    resident, prepared = await resident_and_prepared(
-        chat_request.model, openai_wire.generation_request(chat_request))
+    generation = openai_wire.generation_request(chat_request)
+    server.check_images(generation.prompt)
+    resident, prepared = await resident_and_prepared(chat_request.model, generation)
     # llama-server's `__verbose` shows the prompt as the model saw it.
     prompt = (await trio.to_thread.run_sync(preparing.prompt_text, resident, prepared.prompt)
               if chat_request.verbose else None)
@@ -64,6 +65,7 @@ async def chat_input_tokens() -> Response:
     server.check_messages(len(chat_request.messages))
     prompt = openai_wire.generation_request(chat_request).prompt
     assert isinstance(prompt, ChatPrompt)
+    server.check_images(prompt)
     resident = await server.holder.resident_for(None)  # waits out a swap
     check_model(resident, chat_request.model)
     tokens = await trio.to_thread.run_sync(preparing.chat_tokens, resident, prompt)

@@ -41,6 +41,7 @@ def _chat_prompt(body: Any) -> ChatPrompt:
     prompt = openai_wire.generation_request(chat_request).prompt
     if not isinstance(prompt, ChatPrompt):  # (a chat request's prompt always is)
         raise TypeError(f"a chat request gave a {type(prompt).__name__}")
+    served().check_images(prompt)
     return prompt
 
 
