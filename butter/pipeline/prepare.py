@@ -6,11 +6,13 @@ on a worker thread, so long prompts and big tool schemas never stall other strea
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from typing import Any
 
 import attrs
 
-from butter.backends.base import BackendError
+from butter.backends.base import BackendError, PromptImage
 from butter.chat.images import DecodedImage, check_image_count, decode_image
 from butter.chat.markup import THINK_CLOSE, THINK_OPEN
 from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
@@ -19,6 +21,10 @@ from butter.chat.tool_calls import TOOL_CALL, CallSyntax
 from butter.errors import ContextLengthExceeded, InvalidRequest, ModelReplaced
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import MAX_SEED, SamplingParams
+
+# How an image shows in a prompt's text (`__verbose.prompt`, `starts_in_reasoning`):
+# libmtmd's default marker, as llama-server writes it.
+IMAGE_TEXT = "<__media__>"
 
 
 @attrs.frozen
@@ -36,21 +42,24 @@ class PreparedGeneration:
     call_syntaxes: tuple[CallSyntax, ...] = (TOOL_CALL,)
     # Where messages start in a chat prompt, for a model checkpointed there (engine).
     checkpoint_hints: tuple[int, ...] = ()
+    # Where the prompt holds images (their positions hold image_token_ids).
+    images: tuple[PromptImage, ...] = ()
 
 
 def prepare(resident: ResidentModel, request: GenerationRequest) -> PreparedGeneration:
     """Render (chat) or take (text) the prompt, tokenize, fit, check the sampling."""
     try:
         if isinstance(request.prompt, ChatPrompt):
-            text = render(resident, request.prompt)
-            prepared = prepare_tokens(resident, request, resident.tokenize_prompt(text),
+            text, tokens, images = chat_prompt(resident, request.prompt)
+            prepared = prepare_tokens(resident, request, tokens,
                                       starts_in_reasoning=starts_in_reasoning(
                                           request.prompt, text))
             return attrs.evolve(prepared, bare_json_calls=(
                 resident.template.capabilities.bare_json_calls
                 and resident.template.renders_tools),
                 call_syntaxes=resident.template.call_syntaxes,
-                checkpoint_hints=checkpoint_hints(resident, prepared.prompt))
+                checkpoint_hints=checkpoint_hints(resident, prepared.prompt),
+                images=tuple(images))
         if isinstance(request.prompt, TokenPrompt):
             tokens = checked_tokens(request.prompt.tokens, resident.backend.info.n_vocab)
             return attrs.evolve(prepare_tokens(resident, request, tokens),
@@ -127,18 +136,41 @@ def tokenize(resident: ResidentModel, text: str | None, messages: list[dict[str,
 
 def chat_tokens(resident: ResidentModel, prompt: ChatPrompt) -> list[int]:
     """A chat prompt's tokens, as a generation would have them but not fitted to the
-    context (a token count); blocking."""
+    context (a token count; an image counts its positions); blocking."""
     try:
-        return resident.tokenize_prompt(render(resident, prompt))
+        return chat_prompt(resident, prompt)[1]
     except BackendError as exc:
         raise ModelReplaced(str(exc)) from None
 
 
+def chat_prompt(resident: ResidentModel, prompt: ChatPrompt
+                ) -> tuple[str, list[int], list[PromptImage]]:
+    """The rendered prompt, its ids and where its images sit. Images are decoded, the
+    prompt rendered with a marker for each (one no client can send: it is drawn anew
+    for every request) and split there, and the pieces and images tokenized together
+    by the projector (Backend.tokenize_media)."""
+    decoded = decode_images(resident, prompt)
+    if not decoded:
+        text = render(resident, prompt)
+        return text, resident.tokenize_prompt(text), []
+    marker = f"<__butter_image_{secrets.token_hex(8)}__>"
+    text = render(resident, prompt, image_marker=marker)
+    pieces = text.split(marker)
+    if len(pieces) != len(decoded) + 1:
+        raise InvalidRequest(
+            f"the chat template rendered {len(pieces) - 1} of the {len(decoded)} images (it "
+            "drops or repeats message content), so they cannot be placed in the prompt",
+            param="messages")
+    tokens, images = resident.tokenize_media(pieces, decoded)
+    return text.replace(marker, IMAGE_TEXT), tokens, images
+
+
 def prompt_text(resident: ResidentModel, tokens: list[int]) -> str:
     """A prompt as the model sees it: its tokens' text, special tokens written out
-    (llama-server's `__verbose.prompt`); blocking."""
+    (llama-server's `__verbose.prompt`), images as IMAGE_TEXT; blocking."""
     try:
-        return resident.backend.detokenize(tokens)
+        return "".join(IMAGE_TEXT if image else resident.backend.detokenize(list(run))
+                       for image, run in itertools.groupby(tokens, key=lambda t: t < 0))
     except BackendError as exc:
         raise ModelReplaced(str(exc)) from None
 
@@ -150,12 +182,14 @@ def checked_tokens(tokens: tuple[int, ...], n_vocab: int) -> list[int]:
     return list(tokens)
 
 
-def render(resident: ResidentModel, prompt: ChatPrompt) -> str:
+def render(resident: ResidentModel, prompt: ChatPrompt, image_marker: str | None = None
+           ) -> str:
     return resident.template.render(
         prompt.messages, tools=prompt.tools,
         add_generation_prompt=prompt.add_generation_prompt,
         continue_final_message=prompt.continue_final_message,
         template_kwargs={**resident.template_defaults, **prompt.template_kwargs},
+        image_marker=image_marker,
     )
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import attrs
 import trio
 
-from butter.backends.base import Backend
-from butter.chat.images import ImageLimits
+from butter.backends.base import Backend, PromptImage
+from butter.chat.images import DecodedImage, ImageLimits
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
 from butter.engine.prefix_cache import CheckpointStats
@@ -172,10 +172,17 @@ class ResidentModel:
         return tuple(self.backend.tokenize(marker, add_bos=False)) if marker else ()
 
     def tokenize_prompt(self, text: str) -> list[int]:
-        # Add BOS only when the model wants one and the template did not render it.
+        return self.backend.tokenize(text, add_bos=self._adds_bos(text))
+
+    def tokenize_media(self, texts: list[str], images: list[DecodedImage]
+                       ) -> tuple[list[int], list[PromptImage]]:
+        """A prompt's text pieces with an image between each two, tokenized together."""
+        return self.backend.tokenize_media(texts, images, add_bos=self._adds_bos(texts[0]))
+
+    def _adds_bos(self, text: str) -> bool:
+        """Add BOS only when the model wants one and the template did not render it."""
         bos = self.backend.info.bos_text
-        add_bos = self.backend.info.add_bos and not (bos and text.startswith(bos))
-        return self.backend.tokenize(text, add_bos=add_bos)
+        return self.backend.info.add_bos and not (bos and text.startswith(bos))
 
     def metadata(self) -> dict[str, Any]:
         info = self.backend.info

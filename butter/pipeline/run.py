@@ -81,7 +81,7 @@ async def running_choices(
         async with resident.engine.generate_choices(
             prepared.prompt, choice_params(prepared.params, prepared.request.n),
             prepared.max_tokens, prompt_top_logprobs=prepared.request.score_prompt,
-            checkpoint_hints=prepared.checkpoint_hints,
+            checkpoint_hints=prepared.checkpoint_hints, images=prepared.images,
         ) as generations:
             yield generations
     except EngineStopped as exc:
