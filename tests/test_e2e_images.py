@@ -140,3 +140,27 @@ def test_ollama_images(server: ServerProcess) -> None:
 def test_the_model_lists_its_vision(server: ServerProcess) -> None:
     shown = httpx.post(f"{server.base_url}/api/show", json={"model": MODEL}, timeout=10).json()
     assert "vision" in shown["capabilities"]
+
+
+def test_a_hybrid_model_returns_to_an_image_conversation_from_a_checkpoint(
+    tiny_lfm2_gguf: Path, tiny_mmproj_gguf: Path
+) -> None:
+    """LFM2 (short-conv layers beside attention) cannot cut its state back: a returning
+    turn after an image is served from a checkpoint taken past the image (llama-server
+    takes none after a media chunk, so it prefills the whole conversation again)."""
+    process = ServerProcess(["--model", str(tiny_lfm2_gguf), "--mmproj", str(tiny_mmproj_gguf),
+                             "--alias", MODEL, "--parallel", "1", "--max-context", "2048",
+                             "--cache-ram", "64"])
+    try:
+        client = openai.OpenAI(base_url=process.api, api_key="unused")
+        first = [with_image("What colour is this picture? " + "Look closely. " * 20,
+                            png((200, 20, 20)))]
+        answer, prompt, _ = openai_turn(client, first)
+        returning = [*first, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And its shape?"}]
+        _, _, cached = openai_turn(client, returning)
+        assert cached >= prompt - 4  # (the checkpoint 4 tokens before the end, or later)
+        info = httpx.get(f"{process.api}/server", timeout=10).json()
+        assert info["prefix_cache"]["checkpoints"]["restored"] >= 1
+    finally:
+        process.stop()
