@@ -599,6 +599,35 @@ def test_ollama_refusals_through_the_server(ollama_client: Any, server: ServerPr
     assert "base64 string" in shapeless.json()["error"]
 
 
+PROJECTOR = "takes no images: start butter with --mmproj"
+
+
+def test_each_api_refuses_an_image_for_a_model_without_a_projector(
+        server: ServerProcess, openai_client: openai.OpenAI,
+        anthropic_client: anthropic.Anthropic, ollama_client: Any) -> None:
+    """Good images and bad ones alike: the model sees none, so none is decoded."""
+    for url in (DATA_URL, "data:image/png;base64,not-base64",
+                f"data:image/svg+xml;base64,{SVG}"):
+        body = openai_refusal(openai_client, [{"type": "text", "text": "What is it?"},
+                                              openai_image(url)])
+        assert PROJECTOR in body["message"]
+        assert body["param"] == "messages[0].content[1].image_url.url"
+    error = anthropic_refusal(anthropic_client, [
+        {"type": "tool_result", "tool_use_id": "t1", "content": [IMAGE_BLOCK]}])
+    assert PROJECTOR in error["message"]
+    with pytest.raises(ollama.ResponseError) as chat:
+        ollama_client.chat(model="tiny", messages=[
+            {"role": "user", "content": "What is it?", "images": [PNG]}])
+    assert chat.value.status_code == 400 and PROJECTOR in chat.value.error
+    for prompt in ("Describe it.", ""):  # (an empty prompt with images is no "load")
+        with pytest.raises(ollama.ResponseError) as generated:
+            ollama_client.generate(model="tiny", prompt=prompt, images=[PNG])
+        assert generated.value.status_code == 400 and PROJECTOR in generated.value.error
+    counted = httpx.post(f"{server.base_url}/v1/messages/count_tokens", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": [IMAGE_BLOCK]}]})
+    assert counted.status_code == 400 and PROJECTOR in counted.json()["error"]["message"]
+
+
 def test_text_still_flows_beside_the_image_paths(openai_client: openai.OpenAI) -> None:
     answer = openai_client.chat.completions.create(model="tiny", max_tokens=2, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Hello"},
