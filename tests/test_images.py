@@ -550,6 +550,10 @@ def test_the_image_count_holds_on_every_route(server: ServerProcess) -> None:
             "model": "tiny", "messages": [{"role": "user", "content": content}]})
         assert refused.status_code == 400, route
         assert "more than the limit of 2" in refused.json()["error"]["message"]
+    tokenized = httpx.post(f"{server.base_url}/tokenize", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": [openai_image()]}]})
+    assert tokenized.status_code == 400
+    assert "/tokenize takes no images" in tokenized.json()["error"]["message"]
     counted = httpx.post(f"{server.base_url}/v1/messages/count_tokens", timeout=30, json={
         "model": "tiny", "messages": [{"role": "user", "content": [IMAGE_BLOCK] * 3}]})
     assert counted.status_code == 400

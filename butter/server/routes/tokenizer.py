@@ -9,6 +9,7 @@ import trio
 from quart import Blueprint, Response
 
 from butter.chat.request import ChatPrompt
+from butter.errors import InvalidRequest
 from butter.pipeline import prepare as preparing
 from butter.pipeline.resident import ResidentModel
 from butter.protocol import openai as openai_wire
@@ -42,6 +43,9 @@ def _chat_prompt(body: Any) -> ChatPrompt:
     if not isinstance(prompt, ChatPrompt):  # (a chat request's prompt always is)
         raise TypeError(f"a chat request gave a {type(prompt).__name__}")
     served().check_images(prompt)
+    if prompt.images():  # (their positions are no vocabulary's tokens)
+        raise InvalidRequest("/tokenize takes no images: POST /v1/chat/completions/input_tokens "
+                             "counts a prompt that holds images", param=prompt.images()[0].param)
     return prompt
 
 
