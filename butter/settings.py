@@ -50,7 +50,9 @@ DEFAULT_DECODE_STALL_SECONDS = 0.0
 # step costs say so, so a cap at that width costs nothing where drafts are not kept and lets
 # a long copy take whole lines a step (benchmarks/RESULTS.md, "How many drafts a step").
 DEFAULT_DRAFT_MAX = 15
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+# Anthropic's limit per request: room for an image of --max-image-bytes as base64 (a
+# third larger) beside a long conversation.
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # After a stream's first content, SSE frames are written at most this often (seconds):
 # fewer writes leave more CPU to llama.cpp under load. 0 writes every token at once.
 DEFAULT_STREAM_FLUSH_SECONDS = 0.1
