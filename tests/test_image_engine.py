@@ -1,0 +1,107 @@
+"""Images in the engine (#55): a prompt with an image prefilled over several steps, and a
+request cancelled while its image is evaluated, on the real engine with the tiny Qwen3
+and the tiny projector."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from butter.backends.base import KvOp, PromptImage, RemoveTokens, SeqWork
+from butter.chat.images import DecodedImage, content_key
+from butter.engine.engine import Engine
+from butter.engine.generation import Generation
+from butter.pipeline.resident import ResidentModel
+from butter.sampling import SamplingParams
+from butter.settings import ServeSettings
+
+CHUNK = 8  # (an image of 16 positions spans three prompt chunks)
+
+
+@pytest.fixture(scope="module")
+def resident(tiny_gguf: Path, tiny_mmproj_gguf: Path) -> Iterator[ResidentModel]:
+    model = ResidentModel.load_sync(ServeSettings(
+        model=str(tiny_gguf), mmproj=str(tiny_mmproj_gguf), parallel=2, max_context=512,
+        prefill_chunk=CHUNK, threads=2))
+    yield model
+    model.close()
+
+
+def forget_everything(resident: ResidentModel) -> None:
+    backend = resident.backend
+    backend.step([RemoveTokens(seq, -1, -1)
+                  for seq in range(backend.n_seq + backend.n_cache_seqs)], [])
+
+
+@pytest.fixture
+async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
+    forget_everything(resident)
+    fresh = Engine(resident.backend, parallel=2, max_context=512, prefill_chunk=CHUNK,
+                   max_queue=8)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fresh.step_loop)
+        yield fresh
+        nursery.cancel_scope.cancel()
+    forget_everything(resident)
+
+
+def picture(shade: int) -> DecodedImage:
+    rgb = bytes([shade, 255 - shade, shade // 2]) * (32 * 32)
+    return DecodedImage(key=content_key(32, 32, rgb), width=32, height=32, rgb=rgb)
+
+
+def prompt_with(resident: ResidentModel, image: DecodedImage
+                ) -> tuple[list[int], list[PromptImage]]:
+    return resident.tokenize_media(["Look at this: ", " and say what it shows."], [image])
+
+
+async def greedy(engine: Engine, prompt: tuple[list[int], list[PromptImage]],
+                 max_tokens: int = 6) -> tuple[bytes, Generation]:
+    ids, images = prompt
+    async with engine.generate_choices(ids, [SamplingParams(temperature=0.0, seed=1)],
+                                       max_tokens, images=images) as (generation,):
+        pieces = [b"".join(batch) async for batch in generation.pieces()]
+    return b"".join(pieces), generation
+
+
+async def test_an_image_prefilled_over_several_chunks_is_cached_whole(
+    resident: ResidentModel, engine: Engine
+) -> None:
+    prompt = prompt_with(resident, picture(40))
+    cold, first = await greedy(engine, prompt)
+    assert first.cached_tokens == 0 and len(prompt[0]) > 3 * CHUNK
+    again, second = await greedy(engine, prompt)
+    assert second.cached_tokens == len(prompt[0]) - 1 and again == cold
+    other, third = await greedy(engine, prompt_with(resident, picture(200)))
+    assert third.cached_tokens == prompt[1][0].start  # (the text before the image alone)
+    assert other != cold
+
+
+async def test_a_request_cancelled_while_its_image_is_evaluated_releases_everything(
+    resident: ResidentModel, engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = prompt_with(resident, picture(90))
+    backend = resident.backend
+    submit = backend.submit_step
+    seen: list[SeqWork] = []
+
+    with trio.CancelScope() as scope:
+        def cancel_at_the_image(ops: list[KvOp], works: list[SeqWork]):  # type: ignore[no-untyped-def]
+            if any(work.images for work in works):
+                seen.extend(work for work in works if work.images)
+                scope.cancel()  # (the client leaves while its image is evaluated)
+            return submit(ops, works)
+
+        monkeypatch.setattr(backend, "submit_step", cancel_at_the_image)
+        await greedy(engine, prompt, max_tokens=50)
+    monkeypatch.setattr(backend, "submit_step", submit)
+    assert seen, "a step evaluated the image"
+    text, after = await greedy(engine, prompt)  # the next request runs as a cold one would
+    stats = engine.stats()
+    assert stats.active == 0 and stats.reserved_cells == 0
+    engine.drop_idle_caches()
+    cold, _ = await greedy(engine, prompt)
+    assert text == cold and after.completion_tokens == 6
