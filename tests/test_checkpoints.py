@@ -33,7 +33,10 @@ def test_positions_are_the_tail_a_chunk_before_it_every_step_and_the_hints() -> 
     assert checkpoints.positions(300, 0, CHUNK, message_starts=[17, 120]) == \
         [17, 120, 232, 296]
     # only past what is cached, and before the last token (it must be evaluated)
-    assert checkpoints.positions(300, 240, CHUNK, message_starts=[17, 299, 300]) == [296, 299]
+    assert checkpoints.positions(300, 200, CHUNK, message_starts=[17, 299, 300]) == [232, 299]
+    # (of positions closer than CLOSEST, the last: the tail after the answer's header)
+    assert checkpoints.positions(300, 240, CHUNK, message_starts=[291]) == [296]
+    assert checkpoints.positions(300, 0, CHUNK, message_starts=[270, 294]) == [232, 270, 296]
     assert checkpoints.positions(3, 0, CHUNK) == []  # (n - 4 < 1)
     long = checkpoints.positions(20_000, 0, 256)
     assert long == [checkpoints.STEP, 2 * checkpoints.STEP, 20_000 - 260, 20_000 - 4]

@@ -26,6 +26,13 @@ TAIL = 4
 # --checkpoint-min-step), so that one diverging deep inside does not start from 0.
 STEP = 8192
 
+# Of planned positions closer together than this, only the last is checkpointed: the
+# chat template's answer header and the prompt's tail lie a token or two apart, and each
+# checkpoint copies the whole recurrent state and splits a step. The last serves the most
+# of a returning turn (its answer's header is rendered again); one that diverges before
+# it falls back to the checkpoint before (the last message's start, as llama-server's).
+CLOSEST = 16
+
 # Checkpoints each cached sequence keeps by default (--ctx-checkpoints); each costs the
 # model's whole recurrent state (tens of MiB for a 1B hybrid), counted in --cache-ram.
 DEFAULT_PER_SEQUENCE = 8
@@ -48,10 +55,15 @@ def positions(prompt_length: int, cached: int, chunk: int,
     """Where to checkpoint a prompt of `prompt_length` tokens whose first `cached` are
     already in the KV: TAIL tokens before its end, one prefill chunk before that, every
     STEP tokens, and where the template starts a message (`message_starts`), all past
-    `cached` and before the prompt's last token (which must be evaluated to sample)."""
+    `cached` and before the prompt's last token (which must be evaluated to sample), the
+    last of any closer than CLOSEST."""
     end = prompt_length - TAIL
     wanted = {end, end - chunk, *range(STEP, prompt_length, STEP), *message_starts}
-    return sorted(p for p in wanted if cached < p < prompt_length)
+    kept: list[int] = []
+    for position in sorted((p for p in wanted if cached < p < prompt_length), reverse=True):
+        if not kept or kept[-1] - position >= CLOSEST:
+            kept.append(position)
+    return kept[::-1]
 
 
 def newest_within(checkpoints: Sequence[Checkpoint], limit: int) -> Checkpoint | None:
