@@ -80,7 +80,7 @@ VARIANTS: dict[str, list[str]] = {
 def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
     return ServerSpec("butter", [
         sys.executable, "-m", "butter.cli", "serve", "--model", args.model, "--host", HOST,
-        "--port", str(port), "--parallel", "1", "--threads", str(args.threads),
+        "--port", str(port), "--parallel", str(args.parallel), "--threads", str(args.threads),
         "--max-context", str(context), *args.butter_arg,
     ], "/health")
 
@@ -88,8 +88,10 @@ def butter_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec
 def llama_server_spec(args: argparse.Namespace, port: int, context: int) -> ServerSpec:
     # (with jinja on, "gemma" would be taken as the template's text: RESULTS.md)
     template = ["--no-jinja", "--chat-template", "gemma"] if args.gemma_template else ["--jinja"]
+    if args.parallel > 1:  # one KV pool for every slot, as butter's (-c is then the total)
+        template.append("--kv-unified")
     return ServerSpec("llama-server", llama_server_argv(
-        args.llama_server, args.model_path, HOST, port, slots=1, threads=args.threads,
+        args.llama_server, args.model_path, HOST, port, slots=args.parallel, threads=args.threads,
         context=context, extra=template), "/health")
 
 
@@ -201,6 +203,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER_BIN)
     parser.add_argument("--only", choices=["butter", "llama-server"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="butter's --parallel and llama-server's -np (default 1)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--conversations", default="2,4,8")
     parser.add_argument("--history-tokens", type=int, default=2000)
