@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 
+from butter.testing.tiny_mmproj import write_tiny_mmproj_gguf
 from tests.conftest import ServerProcess
 
 CLAUDE_CODE_VERSION = "2.1.332"
@@ -38,6 +39,7 @@ INSTALL_DIR = CACHE_DIR / f"claude-code-{CLAUDE_CODE_VERSION}"
 INSTALL_TIMEOUT_S = 600
 
 MODEL = "gemma-3-270m"
+DEMO_WIDTH = 640  # the demo model's n_embd: a projector's output must match it
 # Claude Code's first request renders to ~12k tokens on the demo model (measured with
 # 2.1.332, default tools); 32768 leaves room for a few turns.
 MAX_CONTEXT = 32768
@@ -227,10 +229,15 @@ def _check_answered(turn: Turn, server: ServerProcess, what: str) -> str:
 # ---------------------------------------------------------------- the test
 
 @pytest.fixture(scope="module")
-def claude_server(claude_code: Path) -> Iterator[ServerProcess]:
+def claude_server(claude_code: Path, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[ServerProcess]:
     # One session: Claude Code runs one request at a time, and the whole KV pool then
-    # holds the conversation's cache.
-    server = ServerProcess(["--model", MODEL, "--max-context", str(MAX_CONTEXT)])
+    # holds the conversation's cache. A random-weight projector as wide as the demo model
+    # lets it take the pictures Claude Code sends (#55).
+    projector = write_tiny_mmproj_gguf(tmp_path_factory.mktemp("mmproj") / "mmproj-640.gguf",
+                                       n_embd_text=DEMO_WIDTH)
+    server = ServerProcess(["--model", MODEL, "--max-context", str(MAX_CONTEXT),
+                            "--mmproj", str(projector)])
     try:
         assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
         yield server
@@ -268,3 +275,30 @@ def test_claude_code_two_turns_reuse_the_prefix(
     print(f"\nClaude Code {CLAUDE_CODE_VERSION} on butter: first turn {first.seconds:.1f} s, "
           f"{first_outcome}: {first.requests}\nsecond turn {second.seconds:.1f} s, "
           f"{second_outcome}: {second.requests}", file=sys.stderr)
+
+
+def test_claude_code_sends_a_picture_and_the_turn_is_answered(
+    claude_code: Path, claude_server: ServerProcess, tmp_path: Path
+) -> None:
+    """A picture in the working directory, named in the prompt: Claude Code reads it and
+    sends it as an image (in a tool result), and the model, served with a projector,
+    sees it: the turn is answered and the projector encoded an image."""
+    from PIL import Image
+
+    home, project = tmp_path / "home", tmp_path / "project"
+    home.mkdir()
+    project.mkdir()
+    Image.new("RGB", (64, 48), (30, 120, 200)).save(project / "shot.png")
+    before = _encoded_images(claude_server)
+    turn = _run_turn(claude_code, claude_server, home, project,
+                     "What colour is the picture @shot.png?")
+    _check_answered(turn, claude_server, "a turn with a picture")
+    assert _encoded_images(claude_server) > before, (
+        f"no image reached the projector: {turn.requests}\n{_tail(claude_server)}")
+
+
+def _encoded_images(server: ServerProcess) -> int:
+    info = httpx.get(f"{server.api}/server", timeout=10).json()
+    projector = info["model"]["meta"]["projector"]
+    assert projector is not None, info["model"]
+    return int(projector["encoded_images"])
