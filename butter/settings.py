@@ -17,7 +17,6 @@ from butter.chat.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
 )
-from butter.engine import checkpoints
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -32,6 +31,10 @@ DEFAULT_CELLS_PER_EXTRA_SESSION = 2048
 # Sequence ids beyond the --parallel generating ones: idle ones hold cached prompts (the
 # prefix cache), so a chat's side requests or a second conversation do not evict the first.
 DEFAULT_CACHED_PROMPTS = 32
+# A recurrent or hybrid model's checkpoints kept per cached prompt (--ctx-checkpoints):
+# each costs the model's whole recurrent state (about 19 MiB for Qwen3.5-0.8B), counted
+# in --cache-ram (butter/engine/checkpoints.py).
+DEFAULT_CHECKPOINTS_PER_SEQUENCE = 8
 # The host-RAM tier (--cache-ram) holds prefixes evicted from the KV pool: llama-server's
 # default budget (8 GiB), at most a quarter of the machine's memory.
 DEFAULT_CACHE_RAM_MIB_CAP = 8192
@@ -377,7 +380,7 @@ class ServeSettings:
              "return; 0 = off; llama.cpp only (default: a quarter of this machine's memory, "
              f"at most {DEFAULT_CACHE_RAM_MIB_CAP}: %(default)s)")
     ctx_checkpoints: int = flag(
-        checkpoints.DEFAULT_PER_SEQUENCE, names=("--ctx-checkpoints",), type=int, metavar="N",
+        DEFAULT_CHECKPOINTS_PER_SEQUENCE, names=("--ctx-checkpoints",), type=int, metavar="N",
         from_flag=_at_least_zero, group=KV_CACHE,
         help="recurrent and hybrid models (Qwen3.5, LFM2, Granite 4, Nemotron-H): checkpoints "
              "of the recurrent state kept per cached prompt, so that a prompt diverging "

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from butter.settings import DEFAULT_CHECKPOINTS_PER_SEQUENCE
+
 # The last checkpoint of a prompt is taken this many tokens before its end: a chat
 # client sends the answer back re-rendered, and templates that open the answer with a
 # thinking tag, or drop it from history, differ from the generation prompt in its last
@@ -33,9 +35,8 @@ STEP = 8192
 # it falls back to the checkpoint before (the last message's start, as llama-server's).
 CLOSEST = 16
 
-# Checkpoints each cached sequence keeps by default (--ctx-checkpoints); each costs the
-# model's whole recurrent state (tens of MiB for a 1B hybrid), counted in --cache-ram.
-DEFAULT_PER_SEQUENCE = 8
+# Checkpoints each cached sequence keeps by default (--ctx-checkpoints).
+DEFAULT_PER_SEQUENCE = DEFAULT_CHECKPOINTS_PER_SEQUENCE
 
 
 @attrs.frozen(eq=False)
