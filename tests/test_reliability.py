@@ -16,7 +16,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from butter.settings import DEFAULT_MAX_HEADER_BYTES
+from butter.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_HEADER_BYTES
 from tests.conftest import ServerProcess
 
 ROUTES = ("/v1/chat/completions", "/v1/messages")
@@ -143,7 +143,7 @@ def test_hostile_bodies_are_4xx(small_server: ServerProcess) -> None:
     disk = httpx.post(url, json={"model": "/etc/passwd", "messages": [
         {"role": "user", "content": "x"}]}, timeout=30)
     assert disk.status_code == 404 and "root" not in disk.text
-    too_big = httpx.post(url, content=b" " * (17 * 1024 * 1024), timeout=60)
+    too_big = httpx.post(url, content=b" " * (DEFAULT_MAX_BODY_BYTES + 2**20), timeout=60)
     assert too_big.status_code == 413
     assert healthy(small_server)
 

@@ -119,9 +119,9 @@ class LlamaCppBackend:
         self.samplers = Samplers(self.model)
         self.drafter: DraftModel | None = None
         self.draft_model_off: str | None = None
+        self.projector: Projector | None = None  # (before anything that may close)
         if draft_model is not None:
             self._load_drafter(draft_model, required=draft_required, threads=threads)
-        self.projector: Projector | None = None
         if mmproj is not None:
             try:
                 self.projector = self._worker.call(
