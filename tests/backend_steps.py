@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.base import Backend, RemoveTokens, SeqWork, SetSampler
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.sampling import SamplingParams
 
@@ -42,3 +42,9 @@ def last_prompt_logits(backend: LlamaCppBackend, first: list[int] | None,
     backend.step(ops, works)
     row = (len(first) if first is not None else 0) + len(prompt) - 1
     return np.asarray(backend.step_logits(row))
+
+
+def forget_everything(backend: Backend) -> None:
+    """Empty every sequence id the backend has, so that the next engine starts cold."""
+    backend.step([RemoveTokens(seq, -1, -1)
+                  for seq in range(backend.n_seq + backend.n_cache_seqs)], [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from butter.backends.base import KvOp, RemoveTokens, RestoreCheckpoint, SeqWork
+from butter.backends.base import KvOp, RestoreCheckpoint, SeqWork
 from butter.chat.template import ChatTemplate, TemplateChoice, builtin_template_source
 from butter.engine import checkpoints
 from butter.engine.checkpoints import Checkpoint
@@ -20,6 +20,7 @@ from butter.pipeline.prepare import HINT_SPACING, MAX_HINTS, occurrences, spaced
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
+from tests.backend_steps import forget_everything
 
 MiB = 2**20
 CHUNK = 64
@@ -100,22 +101,16 @@ def resident(request: pytest.FixtureRequest) -> Iterator[ResidentModel]:
     model.close()
 
 
-def forget_everything(resident: ResidentModel) -> None:
-    backend = resident.backend
-    backend.step([RemoveTokens(seq, -1, -1)
-                  for seq in range(backend.n_seq + backend.n_cache_seqs)], [])
-
-
 @pytest.fixture
 async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
-    forget_everything(resident)
+    forget_everything(resident.backend)
     fresh = Engine(resident.backend, parallel=2, max_context=1024, prefill_chunk=CHUNK,
                    max_queue=8, cache_ram_bytes=64 * MiB)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fresh.step_loop)
         yield fresh
         nursery.cancel_scope.cancel()
-    forget_everything(resident)
+    forget_everything(resident.backend)
 
 
 def text_tokens(resident: ResidentModel, text: str) -> list[int]:
@@ -133,14 +128,14 @@ async def greedy(engine: Engine, prompt: list[int], max_tokens: int = 8,
 
 async def cold(resident: ResidentModel, prompt: list[int], max_tokens: int = 8) -> bytes:
     """The same request on an engine with nothing cached and no checkpoints."""
-    forget_everything(resident)
+    forget_everything(resident.backend)
     fresh = Engine(resident.backend, parallel=2, max_context=1024, prefill_chunk=CHUNK,
                    max_queue=8)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fresh.step_loop)
         text, generation = await greedy(fresh, prompt, max_tokens)
         nursery.cancel_scope.cancel()
-    forget_everything(resident)
+    forget_everything(resident.backend)
     assert generation.cached_tokens == 0
     return text
 
@@ -227,7 +222,7 @@ async def test_a_checkpoint_that_fails_to_load_is_prefilled_instead(
 
 async def test_checkpoints_stay_within_the_ram_budget(resident: ResidentModel) -> None:
     size = resident.backend.checkpoint_bytes
-    forget_everything(resident)
+    forget_everything(resident.backend)
     engine = Engine(resident.backend, parallel=2, max_context=1024, prefill_chunk=CHUNK,
                     max_queue=8, cache_ram_bytes=3 * size)
     async with trio.open_nursery() as nursery:
@@ -238,7 +233,7 @@ async def test_checkpoints_stay_within_the_ram_budget(resident: ResidentModel) -
             assert stats is not None and stats.bytes <= 3 * size
         assert stats.taken >= 4  # older conversations' checkpoints gave way
         nursery.cancel_scope.cancel()
-    forget_everything(resident)
+    forget_everything(resident.backend)
     small = Engine(resident.backend, parallel=2, max_context=1024, prefill_chunk=CHUNK,
                    max_queue=8, cache_ram_bytes=size - 1)
     async with trio.open_nursery() as nursery:
@@ -250,7 +245,7 @@ async def test_checkpoints_stay_within_the_ram_budget(resident: ResidentModel) -
         assert stats is not None and stats.taken == 0 and stats.skipped >= 2
         assert returning.cached_tokens == 0  # (no room for one: rebuilt, never over budget)
         nursery.cancel_scope.cancel()
-    forget_everything(resident)
+    forget_everything(resident.backend)
 
 
 async def test_a_request_cancelled_during_its_restore_releases_everything(

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from butter.backends.base import KvOp, PromptImage, RemoveTokens, SeqWork
+from butter.backends.base import KvOp, PromptImage, SeqWork
 from butter.chat.images import DecodedImage, content_key
 from butter.engine.engine import Engine
 from butter.engine.generation import Generation
 from butter.pipeline.resident import ResidentModel
 from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
+from tests.backend_steps import forget_everything
 
 CHUNK = 8  # (an image of 16 positions spans three prompt chunks)
 
@@ -30,22 +31,16 @@ def resident(tiny_gguf: Path, tiny_mmproj_gguf: Path) -> Iterator[ResidentModel]
     model.close()
 
 
-def forget_everything(resident: ResidentModel) -> None:
-    backend = resident.backend
-    backend.step([RemoveTokens(seq, -1, -1)
-                  for seq in range(backend.n_seq + backend.n_cache_seqs)], [])
-
-
 @pytest.fixture
 async def engine(resident: ResidentModel) -> AsyncIterator[Engine]:
-    forget_everything(resident)
+    forget_everything(resident.backend)
     fresh = Engine(resident.backend, parallel=2, max_context=512, prefill_chunk=CHUNK,
                    max_queue=8)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(fresh.step_loop)
         yield fresh
         nursery.cancel_scope.cancel()
-    forget_everything(resident)
+    forget_everything(resident.backend)
 
 
 def picture(shade: int) -> DecodedImage:
