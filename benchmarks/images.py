@@ -53,7 +53,7 @@ from benchmarks.harness import (
 
 HOST = "127.0.0.1"
 DEMO_WIDTH = 640  # Gemma 3 270M's n_embd: the projector's output width
-QUESTION = "What is in this picture? Describe its colours and shapes. " * 8
+QUESTION = "What is in this picture? Describe its colours and shapes. "
 
 
 def picture(seed: int, size: tuple[int, int] = (64, 48)) -> str:
@@ -106,14 +106,16 @@ def turn(base_url: str, model: str, messages: list[dict[str, Any]], max_tokens: 
             "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached}
 
 
-def conversation(base_url: str, model: str, seed: int, max_tokens: int) -> list[dict[str, Any]]:
+def conversation(base_url: str, model: str, seed: int, max_tokens: int, repeats: int
+                 ) -> list[dict[str, Any]]:
     image = picture(seed)
-    first_messages = [user(QUESTION, image)]
+    question = QUESTION * repeats
+    first_messages = [user(question, image)]
     first = turn(base_url, model, first_messages, max_tokens)
     returning = turn(base_url, model, [
         *first_messages, {"role": "assistant", "content": first["answer"] or "A picture."},
         user("And which colour is strongest?")], max_tokens)
-    other = turn(base_url, model, [user(QUESTION, picture(seed + 1000))], max_tokens)
+    other = turn(base_url, model, [user(question, picture(seed + 1000))], max_tokens)
     return [first, returning, other]
 
 
@@ -137,7 +139,7 @@ def run_server(name: str, args: argparse.Namespace, projector: Path, log_dir: Pa
     with running_server(spec, log_dir / f"{name}.log") as proc:
         wait_ready(proc, base_url, spec.ready_path, timeout=300)
         model = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
-        return [conversation(base_url, model, seed, args.max_tokens)
+        return [conversation(base_url, model, seed, args.max_tokens, args.question_repeats)
                 for seed in range(1, args.repeats + 1)]
 
 
@@ -161,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--question-repeats", type=int, default=8,
+                        help="the question's sentence this many times (a longer first turn)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-images"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
