@@ -216,6 +216,8 @@ async def test_a_checkpoint_that_fails_to_load_is_prefilled_instead(
     sequence.checkpoints = [Checkpoint(c.n_tokens, b"not a state") for c in sequence.checkpoints]
     returning = first[:-2] + text_tokens(resident, " after a broken checkpoint")
     text, generation = await greedy(engine, returning)
+    stats = engine.stats().checkpoints
+    assert stats is not None and stats.restored == 1  # (one was tried, and failed)
     assert generation.cached_tokens == 0
     assert text == await cold(resident, returning)
 

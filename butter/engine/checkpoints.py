@@ -16,8 +16,6 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from butter.settings import DEFAULT_CHECKPOINTS_PER_SEQUENCE
-
 # The last checkpoint of a prompt is taken this many tokens before its end: a chat
 # client sends the answer back re-rendered, and templates that open the answer with a
 # thinking tag, or drop it from history, differ from the generation prompt in its last
@@ -35,8 +33,6 @@ STEP = 8192
 # it falls back to the checkpoint before (the last message's start, as llama-server's).
 CLOSEST = 16
 
-# Checkpoints each cached sequence keeps by default (--ctx-checkpoints).
-DEFAULT_PER_SEQUENCE = DEFAULT_CHECKPOINTS_PER_SEQUENCE
 
 
 @attrs.frozen(eq=False)

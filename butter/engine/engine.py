@@ -35,7 +35,6 @@ from butter.backends.base import (
     SeqWork,
     StepResult,
 )
-from butter.engine import checkpoints
 from butter.engine.admission import Admission
 from butter.engine.drafting import Speculation
 from butter.engine.generation import HAS_STEP_WORK, Generation, RequestState
@@ -46,6 +45,7 @@ from butter.engine.step_plan import PendingWork, PrefillBudget, plan_step
 from butter.errors import ContextLengthExceeded, InvalidRequest
 from butter.kv import KvWindow
 from butter.sampling import SamplingParams
+from butter.settings import DEFAULT_CHECKPOINTS_PER_SEQUENCE
 
 log = logging.getLogger("butter")
 
@@ -85,7 +85,7 @@ class Engine:
         self, backend: Backend, *, parallel: int, max_context: int, prefill_chunk: int,
         max_queue: int, window: KvWindow | None = None, decode_stall: float = 0.0,
         cache_ram_bytes: int = 0, draft_max: int = 0,
-        checkpoints_per_sequence: int = checkpoints.DEFAULT_PER_SEQUENCE,
+        checkpoints_per_sequence: int = DEFAULT_CHECKPOINTS_PER_SEQUENCE,
     ) -> None:
         """`decode_stall`: while sequences decode, shrink prompt chunks so that a step
         carrying one takes about this long (seconds; 0: always `prefill_chunk`).

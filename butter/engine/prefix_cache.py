@@ -42,6 +42,7 @@ from butter.engine.checkpoints import Checkpoint
 from butter.engine.generation import Generation, RequestState
 from butter.engine.host_cache import HostCache, HostCacheStats, HostEntry, common_prefix_length
 from butter.kv import KvWindow
+from butter.settings import DEFAULT_CHECKPOINTS_PER_SEQUENCE
 
 log = logging.getLogger("butter")
 
@@ -131,8 +132,8 @@ class CheckpointStats:
 
 class PrefixCache:
     def __init__(self, backend: Backend, *, n_seq: int, cache_ram_bytes: int,
-                 checkpoints_per_sequence: int = checkpoints.DEFAULT_PER_SEQUENCE,
-                 prefill_chunk: int = 256) -> None:
+                 prefill_chunk: int,
+                 checkpoints_per_sequence: int = DEFAULT_CHECKPOINTS_PER_SEQUENCE) -> None:
         """`cache_ram_bytes` holds the host tier and every checkpoint; a recurrent or
         hybrid model keeps at most `checkpoints_per_sequence` for each cached prompt (0:
         none), placed with `prefill_chunk` in mind (checkpoints.positions)."""
