@@ -31,7 +31,7 @@ LAYER_SOURCES = [str(NATIVE / name) for name in (
     "buffer_type.cpp", "self_check.cpp")]
 LAYER_HEADERS = [str(NATIVE / name) for name in (
     "layer_matmul.h", "ggml_abi.h", "ggml_mirror.h", "decode_attention.h",
-    "prompt_attention.h")]
+    "prompt_attention.h", "prompt_attention_avx512.h")]
 # The folders of ggml's headers the mirror check includes, under BUTTER_GGML_SOURCE.
 GGML_HEADER_FOLDERS = ("include", "src", "src/ggml-cpu")
 

@@ -4,12 +4,17 @@ to exact attention than llama.cpp's own."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from butter.backends.base import RemoveTokens, SeqWork, SetSampler
+from butter.backends.kernels import Isa
 from butter.backends.llama_cpp import LlamaCppBackend, layer_matmul
 from butter.backends.llama_cpp.layer_matmul import LayerMatmul
 from butter.backends.native import Unavailable
@@ -125,6 +130,36 @@ def test_every_row_of_a_prompt_step_is_the_bits_of_that_row_alone(shape: dict[st
         theirs = np.array(k.attention_probe(butter=False, rows=rows, threads=threads,
                                             placement=placement, **probe)).reshape(rows, width)
         assert np.abs(step - theirs).max() <= layer_matmul.ATTENTION_TOLERANCE
+
+
+_AVX2_PROMPT_STEP = """
+import json, sys
+import butter.backends.llama_cpp.loading as loading
+import butter.backends.llama_cpp.layer_matmul as layer_matmul
+loading.init_llama_backend()
+k = layer_matmul.registered()
+probe = json.loads(sys.argv[1])
+print(json.dumps({"isa": k.isa.value, "rows": k.attention_probe(butter=True, **probe)}))
+"""
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_prompt_step_is_the_same_bits_on_the_avx2_and_the_avx512_tiles(
+    shape: dict[str, int],
+) -> None:
+    # AVX-512 CPUs take prompt_attention_avx512.h's tiles; BUTTER_KERNEL_ISA=avx2 takes
+    # prompt_attention.h's own (an AVX2 CPU's): both must give the bits of each row alone.
+    k = kernels()
+    if k.isa is not Isa.AVX512_VNNI:
+        pytest.skip(f"the best kernels here are {k.isa.value}: the AVX-512 tiles do not run")
+    probe = {"rows": 130, "threads": 2, "placement": 2, "cells": 900, "view": 1200, "seed": 4,
+             **shape}
+    run = subprocess.run([sys.executable, "-c", _AVX2_PROMPT_STEP, json.dumps(probe)],
+                         capture_output=True, text=True, timeout=300, check=True,
+                         env={**os.environ, layer_matmul.ISA_VARIABLE: "avx2"})
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    assert found["isa"] == "AVX2"
+    assert found["rows"] == k.attention_probe(butter=True, **probe)
 
 
 def prompt_logits(backend: LlamaCppBackend, prompt: list[int], *, chunk: int,

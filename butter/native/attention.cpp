@@ -11,6 +11,7 @@
 #include "decode_attention.h"
 #include "layer_matmul.h"
 #include "prompt_attention.h"
+#include "prompt_attention_avx512.h"
 
 namespace butter {
 
@@ -236,11 +237,12 @@ class DecodeAttention : public ggml_mirror::tensor_traits {
 
 DecodeAttention decode_attention_traits;
 
-/* The bytes a prompt attention's threads work in: the next tile to take, then each
- * thread's own PromptScratch. */
+/* The bytes a prompt attention's threads work in: the next tile to take, the cells' largest
+ * |value|s (shared), then each thread's own PromptScratch. */
 size_t prompt_work_bytes(const tensor *op, int n_threads) {
     const AttentionView a = attention_view(op);
-    return ALIGN + (size_t)n_threads * PromptScratch::bytes(a, PromptPlan(a), ALIGN) + ALIGN;
+    return ALIGN + aligned(prompt_ranges_bytes(a)) +
+           (size_t)n_threads * PromptScratch::bytes(a, PromptPlan(a), ALIGN) + ALIGN;
 }
 
 #ifdef BUTTER_X86
@@ -253,17 +255,26 @@ void attend_prompt(compute_params *params, tensor *op) {
     const PromptPlan plan(a);
     char *base = aligned_work(params);
     int64_t *taken = (int64_t *)base;
-    const PromptScratch scratch(
-        base + ALIGN + (size_t)params->ith * PromptScratch::bytes(a, plan, ALIGN), a, plan, ALIGN);
+    float *ranges = (float *)(base + ALIGN);
+    const PromptScratch scratch(base + ALIGN + aligned(prompt_ranges_bytes(a)) +
+                                    (size_t)params->ith * PromptScratch::bytes(a, plan, ALIGN),
+                                a, plan, ALIGN);
     if (params->ith == 0) {
         __atomic_store_n(taken, 0, __ATOMIC_RELAXED);
     }
+    prompt_cell_ranges(a, ranges, params->ith, params->nth);
     barrier(params);
+    const bool wide = kernel_isa == BUTTER_ISA_AVX512_VNNI && wide_takes(a);
     const int64_t tasks = a.seqs * plan.tiles;
     for (int64_t t = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED); t < tasks;
          t = __atomic_fetch_add(taken, 1, __ATOMIC_RELAXED)) {
-        const int64_t last_first = tasks - 1 - t;
-        prompt_tile(a, plan, scratch, last_first / plan.tiles, last_first % plan.tiles);
+        const int64_t last_first = tasks - 1 - t, seq = last_first / plan.tiles;
+        const float *ranges_of = ranges + seq * a.kv_heads * a.cells;
+        if (wide) {
+            wide_tile(a, plan, scratch, ranges_of, seq, last_first % plan.tiles);
+        } else {
+            prompt_tile(a, plan, scratch, ranges_of, seq, last_first % plan.tiles);
+        }
     }
     if (params->ith == 0) {
         if (probing.load()) {

@@ -14,24 +14,29 @@
  * largest score and largest |value|, and of integer sums, which add up to the same in any
  * order. Any schedule that computes each per-cell quantity with the same operations gives
  * the same bits. Here a task is a tile of consecutive query rows of one stream, all on the
- * thread that takes it (layer_matmul.cpp's attend_prompt hands them out one at a time, so
+ * thread that takes it (attention.cpp's attend_prompt hands them out one at a time, so
  * which thread took a tile changes nothing): the cells any of its rows sees are listed
  * once (the tile's union);
  * for each KV head, the scores of every (row, query head) pair over the union are computed
  * with each key loaded and widened once for several pairs (decode_attention.h widens it
  * for each query head of each row), a cell the row does not see scoring -inf as its mask
  * says, so that it weighs exactly 0 and adds 0 units; each cell's largest |value| is found
- * once per tile (decode_attention.h: once per row). A tile's union is its last row's cells
- * for a causal prompt, a few more on a sliding window.
+ * once per step for every tile (decode_attention.h: once per row). A tile's union is its
+ * last row's cells for a causal prompt, a few more on a sliding window.
  *
- * Everything here is static: layer_matmul.cpp includes it after decode_attention.h.
+ * On AVX-512 CPUs prompt_attention_avx512.h computes the same tiles with each block of keys
+ * and values widened and packed once for all of a tile's pairs: the same operations on
+ * every per-cell quantity, so the same bits.
+ *
+ * Everything here is static: attention.cpp includes it after decode_attention.h.
  */
 #ifndef BUTTER_PROMPT_ATTENTION_H
 #define BUTTER_PROMPT_ATTENTION_H
 
 #include "decode_attention.h"
 
-#define PROMPT_TILE_PAIRS 32 /* (query row, query head) pairs a task scores together */
+#define PROMPT_TILE_PAIRS 64 /* (query row, query head) pairs a task scores together: each
+                              * key and value is read from memory once for all of them */
 #define PROMPT_PAIRS_AT_ONCE 3 /* pairs whose dot products share each key's load */
 
 /* How a prompt step's rows are cut into tasks. */
@@ -40,7 +45,7 @@ struct PromptPlan {
     int64_t tile_rows; /* query rows of a task (stepping.PROMPT_TILE_ROWS cuts prompts
                         * from one another at multiples of 64 rows) */
     int64_t tiles;     /* tasks per stream */
-    int64_t stride;    /* a pair's scores: the view's cells, rounded up to 8 */
+    int64_t stride;    /* a pair's scores: the view's cells, rounded up to 16 */
     int64_t pairs;     /* tile_rows x group */
 
     explicit PromptPlan(const AttentionView &a) {
@@ -50,39 +55,56 @@ struct PromptPlan {
             tile_rows *= 2;
         }
         tiles = (a.rows + tile_rows - 1) / tile_rows;
-        stride = (a.cells + 7) / 8 * 8;
+        stride = (a.cells + 15) / 16 * 16;
         pairs = tile_rows * group;
     }
 };
 
-/* One thread's room for a task: the union's cells (padded to a multiple of 8 by repeating
+/* Cells a packed value block holds (prompt_attention_avx512.h; at most ATTENTION_CHUNK, so
+ * that a block's int32 sums cannot overflow). */
+#define PROMPT_VALUE_CELLS 128
+
+/* One thread's room for a task: the union's cells (padded to a multiple of 16 by repeating
  * the last) and their largest |value|, each pair's scores (then weights), its weighted
- * values' sums, and one block's int32 sums for up to 4 pairs. */
+ * values' sums, one block's int32 sums for up to 4 pairs, and (for the AVX-512 tiles) one
+ * block of keys and one of values widened and packed. */
 struct PromptScratch {
     int32_t *cells;
     float *ranges;
     float *scores;
     int64_t *totals;
     int32_t *units;
+    float *keys;
+    float *values;
 
     static size_t bytes(const AttentionView &a, const PromptPlan &p, size_t align) {
         const auto round = [align](size_t n) { return (n + align - 1) / align * align; };
-        return round((size_t)(p.stride + 8) * sizeof(int32_t)) +
-               round((size_t)(p.stride + 8) * sizeof(float)) +
+        return round((size_t)(p.stride + 16) * sizeof(int32_t)) +
+               round((size_t)(p.stride + 16) * sizeof(float)) +
                round((size_t)(p.pairs * p.stride) * sizeof(float)) +
                round((size_t)(p.pairs * a.dv) * sizeof(int64_t)) +
-               round((size_t)(4 * a.dv) * sizeof(int32_t));
+               round((size_t)(4 * a.dv) * sizeof(int32_t)) +
+               round((size_t)(16 * a.dk) * sizeof(float)) +
+               round((size_t)(PROMPT_VALUE_CELLS * a.dv) * sizeof(float));
     }
 
     PromptScratch(char *at, const AttentionView &a, const PromptPlan &p, size_t align) {
         const auto round = [align](size_t n) { return (n + align - 1) / align * align; };
-        cells = (int32_t *)at, at += round((size_t)(p.stride + 8) * sizeof(int32_t));
-        ranges = (float *)at, at += round((size_t)(p.stride + 8) * sizeof(float));
+        cells = (int32_t *)at, at += round((size_t)(p.stride + 16) * sizeof(int32_t));
+        ranges = (float *)at, at += round((size_t)(p.stride + 16) * sizeof(float));
         scores = (float *)at, at += round((size_t)(p.pairs * p.stride) * sizeof(float));
         totals = (int64_t *)at, at += round((size_t)(p.pairs * a.dv) * sizeof(int64_t));
-        units = (int32_t *)at;
+        units = (int32_t *)at, at += round((size_t)(4 * a.dv) * sizeof(int32_t));
+        keys = (float *)at, at += round((size_t)(16 * a.dk) * sizeof(float));
+        values = (float *)at;
     }
 };
+
+/* Each cell's largest |value| under each KV head of each stream, found once per step for
+ * every tile: ranges[(seq x kv_heads + kv_head) x cells + cell]. */
+inline size_t prompt_ranges_bytes(const AttentionView &a) {
+    return (size_t)(a.seqs * a.kv_heads * a.cells) * sizeof(float);
+}
 
 #ifdef BUTTER_X86
 
@@ -293,9 +315,23 @@ AVX2_TARGET static inline void prompt_add_units(int64_t *totals, const int32_t *
     }
 }
 
-/* One tile, every KV head: what attention_finish writes for each of its (row, query head)s. */
+/* Each cell's largest |value| (attention_value_range's) into `ranges` (prompt_ranges_bytes),
+ * this thread's share of the (stream, KV head)s' cells. */
+AVX2_TARGET static void prompt_cell_ranges(const AttentionView &a, float *ranges, int ith,
+                                           int nth) {
+    const int64_t lists = a.seqs * a.kv_heads, all = lists * a.cells;
+    for (int64_t i = all * ith / nth; i < all * (ith + 1) / nth; i++) {
+        const int64_t list = i / a.cells, seq = list / a.kv_heads, kv_head = list % a.kv_heads;
+        const int32_t cell = (int32_t)(i % a.cells);
+        ranges[i] = attention_value_range(a, a.v + kv_head * a.v_head + seq * a.v_seq, &cell, 1);
+    }
+}
+
+/* One tile, every KV head: what attention_finish writes for each of its (row, query head)s.
+ * `ranges_of`: the stream's cells' largest |value|s (prompt_cell_ranges). */
 AVX2_TARGET static void prompt_tile(const AttentionView &a, const PromptPlan &p,
-                                    const PromptScratch &s, int64_t seq, int64_t tile) {
+                                    const PromptScratch &s, const float *ranges_of, int64_t seq,
+                                    int64_t tile) {
     const int64_t first = tile * p.tile_rows;
     const int64_t rows = a.rows - first < p.tile_rows ? a.rows - first : p.tile_rows;
     const int64_t pairs = rows * p.group;
@@ -308,8 +344,9 @@ AVX2_TARGET static void prompt_tile(const AttentionView &a, const PromptPlan &p,
         const char *v = a.v + kv_head * a.v_head + seq * a.v_seq;
         float tops[PROMPT_TILE_PAIRS], ranges[PROMPT_TILE_PAIRS];
         if (n > 0) {
+            const float *cell_ranges = ranges_of + kv_head * a.cells;
             for (int64_t c = 0; c < padded; c++) {
-                s.ranges[c] = attention_value_range(a, v, s.cells + c, 1);
+                s.ranges[c] = cell_ranges[s.cells[c]];
             }
             prompt_tile_scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
         } else {

@@ -51,7 +51,7 @@ REPACKED_EXACT_ROWS = 3
 # (GGML_FA_TILE_Q), and skips a block of the cache only where the whole tile is masked from
 # it. The step planner cuts the chunks of several prompts in one batch to whole tiles, so no
 # tile holds two sequences' rows (Backend.prompt_tile). butter's prompt attention
-# (prompt_attention.h), where it runs, takes tiles of a power of two rows up to 32, which
+# (prompt_attention.h), where it runs, takes tiles of a power of two rows up to 64, which
 # these cuts keep to one sequence too (a tile's cost is that of every cell its rows see).
 PROMPT_TILE_ROWS = 64
 # A tile that holds other sessions' decode rows beside a prompt chunk cannot skip the cache
