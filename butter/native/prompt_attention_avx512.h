@@ -297,6 +297,7 @@ KEEP_IN_REGISTERS WIDE_TARGET static inline void wide_value_units(const float *v
     }
 }
 
+/* wide_value_units for G pairs over all dv columns: WIDE_VALUE_SLICES slices a pass, then one. */
 template <int G>
 WIDE_TARGET static inline void wide_value_units_all(const AttentionView &a, const float *vp,
                                                     int64_t here, const float *const *weights,
