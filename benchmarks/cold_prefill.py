@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--perf-freq", type=int, default=999)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--extra", default="", help="extra server args")
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER),
+                    help="the llama-server binary (e.g. an AVX2-only build for that class)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="/tmp/cold_prefill")
     a = ap.parse_args()
@@ -63,7 +65,7 @@ def main() -> None:
                 "127.0.0.1", "--port", str(port), "--threads", str(a.threads),
                 "--max-context", "20000", "--parallel", "1", *a.extra.split()]
     else:
-        argv = [str(LLAMA_SERVER), "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
+        argv = [a.llama_server, "-m", a.model, "--host", "127.0.0.1", "--port", str(port),
                 "-np", "1", "-t", str(a.threads), "-tb", str(a.threads), "-c", "20480",
                 *a.extra.split()]
     base = f"http://127.0.0.1:{port}"
