@@ -211,17 +211,14 @@ WIDE_TARGET static void wide_tile_scores(const AttentionView &a, const PromptPla
         }
         int64_t pair = 0;
         for (; pair + WIDE_PAIRS_AT_ONCE <= pairs; pair += WIDE_PAIRS_AT_ONCE) {
-            const float *qs[WIDE_PAIRS_AT_ONCE];
-            for (int i = 0; i < WIDE_PAIRS_AT_ONCE; i++) {
-                qs[i] = q[pair + i];
-            }
-            wide_scores16<WIDE_PAIRS_AT_ONCE>(a, capped, qs, s.keys, biases + pair, out + pair,
-                                              best + pair);
+            wide_scores16<WIDE_PAIRS_AT_ONCE>(a, capped, q + pair, s.keys, biases + pair,
+                                              out + pair, best + pair);
         }
         for (; pair < pairs; pair++) {
             wide_scores16<1>(a, capped, q + pair, s.keys, biases + pair, out + pair, best + pair);
         }
-        if (c + 16 > n) {
+        if (c + 16 > n) { /* the padding's places: unseen (their lanes of `best` and
+                           * `largest` repeat the last cell's, which changes no maximum) */
             for (int64_t pr = 0; pr < pairs; pr++) {
                 for (int64_t i = n - c; i < 16; i++) {
                     out[pr][i] = -INFINITY;
