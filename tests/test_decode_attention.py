@@ -132,6 +132,30 @@ def test_every_row_of_a_prompt_step_is_the_bits_of_that_row_alone(shape: dict[st
         assert np.abs(step - theirs).max() <= layer_matmul.ATTENTION_TOLERANCE
 
 
+# ALiBi (the op's max_bias, with a distance term in the mask) and Gemma 2's score cap: the
+# tiles' other branches
+FEATURES = [{"max_bias": 8.0}, {"softcap": 20.0}]
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=["alibi", "softcap"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_a_prompt_step_with_alibi_or_a_score_cap_is_the_bits_of_each_row_alone(
+    shape: dict[str, int], feature: dict[str, float],
+) -> None:
+    k = kernels()
+    width = shape["heads"] * shape["dim"]
+    probe = {"cells": 900, "view": 1200, "seed": 6, "placement": 1, **shape, **feature}
+    lone_rows = np.array(k.attention_probe(butter=True, rows=63, threads=2, **probe))
+    step = np.array(k.attention_probe(butter=True, rows=130, threads=2, **probe))
+    assert np.array_equal(step.reshape(130, width)[:63], lone_rows.reshape(63, width))
+    theirs = np.array(k.attention_probe(butter=False, rows=130, threads=2, **probe))
+    assert np.abs(step - theirs).max() <= layer_matmul.ATTENTION_TOLERANCE
+    # the feature is in effect: without it the rows differ
+    plain = {key: value for key, value in probe.items() if key not in feature}
+    assert not np.array_equal(step, k.attention_probe(butter=True, rows=130, threads=2,
+                                                      **plain))
+
+
 _AVX2_PROMPT_STEP = """
 import json, sys
 import butter.backends.llama_cpp.loading as loading
@@ -143,9 +167,10 @@ print(json.dumps({"isa": k.isa.value, "rows": k.attention_probe(butter=True, **p
 """
 
 
+@pytest.mark.parametrize("feature", [{}, *FEATURES], ids=["plain", "alibi", "softcap"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_prompt_step_is_the_same_bits_on_the_avx2_and_the_avx512_tiles(
-    shape: dict[str, int],
+    shape: dict[str, int], feature: dict[str, float],
 ) -> None:
     # AVX-512 CPUs take prompt_attention_avx512.h's tiles; BUTTER_KERNEL_ISA=avx2 takes
     # prompt_attention.h's own (an AVX2 CPU's): both must give the bits of each row alone.
@@ -153,7 +178,7 @@ def test_a_prompt_step_is_the_same_bits_on_the_avx2_and_the_avx512_tiles(
     if k.isa is not Isa.AVX512_VNNI:
         pytest.skip(f"the best kernels here are {k.isa.value}: the AVX-512 tiles do not run")
     probe = {"rows": 130, "threads": 2, "placement": 2, "cells": 900, "view": 1200, "seed": 4,
-             **shape}
+             **shape, **feature}
     run = subprocess.run([sys.executable, "-c", _AVX2_PROMPT_STEP, json.dumps(probe)],
                          capture_output=True, text=True, timeout=300, check=True,
                          env={**os.environ, layer_matmul.ISA_VARIABLE: "avx2"})

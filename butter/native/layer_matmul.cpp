@@ -217,16 +217,19 @@ BUTTER_API int32_t butter_layer_matmul_self_check(int32_t type, int64_t k, int64
  * those c with c % 5 == r % 5, so the first rows of a bigger probe are those of a smaller one.
  * The cells lie in a view of `view` slots (>= cells) as `placement` puts them (0: in order
  * at the start; else scattered in an order of its own); the other slots hold other values,
- * hidden from every row. out: the rows x heads x dim results; *ran: 1 if butter computed
- * them. */
+ * hidden from every row. `max_bias` (ALiBi: the mask then holds each seen cell's distance
+ * term, minus c % 7) and `softcap` are the op's own parameters (0: none). out: the rows x
+ * heads x dim results; *ran: 1 if butter computed them. */
 BUTTER_API int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t rows,
                                                        int64_t cells, int64_t view,
                                                        int64_t placement, int64_t heads,
                                                        int64_t kv_heads, int64_t dim,
                                                        int32_t threads, int64_t seed,
+                                                       float max_bias, float softcap,
                                                        float *out, size_t out_bytes,
                                                        int32_t *ran) {
     if (out == nullptr || ran == nullptr || rows <= 0 || cells <= 0 || view < cells ||
+        !(max_bias >= 0.0f) || !(softcap >= 0.0f) ||
         kv_heads <= 0 || heads % kv_heads != 0 || dim <= 0 || threads <= 0 ||
         out_bytes < (size_t)(rows * heads * dim) * sizeof(float)) {
         return BUTTER_E_ARGUMENT;
@@ -235,7 +238,7 @@ BUTTER_API int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t r
         return BUTTER_E_STATE;
     }
     return attention_probe(butter != 0, rows, cells, view, placement, heads, kv_heads, dim,
-                           threads, seed, out, ran);
+                           threads, seed, max_bias, softcap, out, ran);
 }
 
 /* The registered buffer type (to find it in llama.cpp's list), or null. */

@@ -127,7 +127,8 @@ int32_t self_check(int type, int64_t k, int64_t n, int64_t rows, int threads, do
                    double *out);
 int32_t attention_probe(bool butter, int64_t rows, int64_t cells, int64_t view,
                         int64_t placement, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int threads, int64_t seed, float *out, int32_t *ran);
+                        int threads, int64_t seed, float max_bias, float softcap, float *out,
+                        int32_t *ran);
 
 }  // namespace butter
 

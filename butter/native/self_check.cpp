@@ -153,9 +153,11 @@ void fill_cache(tensor *k, tensor *v, int64_t cells, int64_t view, int64_t kv_he
 }
 
 /* The probe's query rows (row r from `seed` + 1 + r) and mask (row r sees every cell but
- * those c with c % 5 == r % 5, and no other slot). */
+ * those c with c % 5 == r % 5, and no other slot; with `alibi`, a seen cell's value is
+ * -(c % 7), as ALiBi's masks hold a distance term, else 0). */
 void fill_queries(tensor *q, tensor *mask, int64_t rows, int64_t cells, int64_t view,
-                  int64_t heads, int64_t dim, int64_t seed, const std::vector<int64_t> &slots) {
+                  int64_t heads, int64_t dim, int64_t seed, const std::vector<int64_t> &slots,
+                  bool alibi) {
     std::vector<float> row(dim), hidden(view);
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t h = 0; h < heads; h++) {
@@ -168,7 +170,7 @@ void fill_queries(tensor *q, tensor *mask, int64_t rows, int64_t cells, int64_t 
         }
         std::fill(hidden.begin(), hidden.end(), -INFINITY);
         for (int64_t c = 0; c < cells; c++) {
-            hidden[slots[c]] = c % 5 == r % 5 ? -INFINITY : 0.0f;
+            hidden[slots[c]] = c % 5 == r % 5 ? -INFINITY : alibi ? -(float)(c % 7) : 0.0f;
         }
         ggml.fp32_to_fp16_row(hidden.data(),
                               (uint16_t *)((char *)ggml.get_data(mask) + r * mask->nb[1]), view);
@@ -196,7 +198,8 @@ int compute_attention(void *ctx, void *graph, bool butter, int threads, int32_t 
 /* One attention probe (butter_layer_matmul_attention_probe, which checked the arguments). */
 int32_t attention_probe(bool butter, int64_t rows, int64_t cells, int64_t view,
                         int64_t placement, int64_t heads, int64_t kv_heads, int64_t dim,
-                        int threads, int64_t seed, float *out, int32_t *ran) {
+                        int threads, int64_t seed, float max_bias, float softcap, float *out,
+                        int32_t *ran) {
     const size_t kv_floats = (size_t)(dim * view * kv_heads);
     Context compute(2 * kv_floats * sizeof(float) + (size_t)(rows * (heads * dim * 2 + view)) *
                         sizeof(float) + ((size_t)16 << 20), false);
@@ -212,9 +215,9 @@ int32_t attention_probe(bool butter, int64_t rows, int64_t cells, int64_t view,
     }
     const std::vector<int64_t> slots = probe_slots(cells, view, placement);
     fill_cache(k, v, cells, view, kv_heads, dim, seed, slots);
-    fill_queries(q, mask, rows, cells, view, heads, dim, seed, slots);
-    tensor *y = ggml.flash_attn_ext(compute.ctx, q, k, v, mask, 1.0f / sqrtf((float)dim), 0.0f,
-                                    0.0f);
+    fill_queries(q, mask, rows, cells, view, heads, dim, seed, slots, max_bias > 0.0f);
+    tensor *y = ggml.flash_attn_ext(compute.ctx, q, k, v, mask, 1.0f / sqrtf((float)dim),
+                                    max_bias, softcap);
     void *graph = y == nullptr ? nullptr : ggml.new_graph(compute.ctx);
     if (graph == nullptr) {
         return BUTTER_E_STATE;

@@ -74,7 +74,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_decode_attention": (_I32, [_I32]),
     "butter_layer_matmul_prompt_attention": (_I32, [_I32]),
     "butter_layer_matmul_attention_probe": (
-        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I64, _I64, _I32, _I64, ctypes.c_float,
+               ctypes.c_float, _P, _SIZE, _P]),
     "butter_layer_matmul_self_check": (
         _I32, [_I32, _I64, _I64, _I64, _I32, ctypes.c_double, _P, _SIZE]),
     "butter_layer_matmul_buffer_type": (_P, []),
@@ -171,18 +172,21 @@ class LayerMatmul:
 
     def attention_probe(self, *, butter: bool, rows: int, cells: int, heads: int,
                         kv_heads: int, dim: int, threads: int, seed: int,
-                        view: int | None = None, placement: int = 0) -> list[float]:
+                        view: int | None = None, placement: int = 0, max_bias: float = 0.0,
+                        softcap: float = 0.0) -> list[float]:
         """One flash attention through a real ggml graph (butter_layer_matmul_attention_probe:
         probe values, a mask that hides every fifth cell), computed by butter's decode
         attention or by llama.cpp's: the rows x heads x dim results. The cells lie in a
         cache view of `view` slots (default: just them), in order (`placement` 0) or
-        scattered in an order that `placement` draws. Raises Unavailable if butter's was
-        asked for and llama.cpp computed it."""
+        scattered in an order that `placement` draws. `max_bias` (ALiBi; the mask then
+        holds a distance term for each seen cell) and `softcap` are the op's parameters.
+        Raises Unavailable if butter's was asked for and llama.cpp computed it."""
         out = (ctypes.c_float * (rows * heads * dim))()
         ran = ctypes.c_int32()
         status = self._lib.butter_layer_matmul_attention_probe(
             int(butter), rows, cells, cells if view is None else view, placement, heads,
-            kv_heads, dim, threads, seed, out, ctypes.sizeof(out), ctypes.byref(ran))
+            kv_heads, dim, threads, seed, max_bias, softcap, out, ctypes.sizeof(out),
+            ctypes.byref(ran))
         if status != OK:
             raise ValueError(f"the attention probe could not run (status {status})")
         if butter and not ran.value:
