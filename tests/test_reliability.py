@@ -342,14 +342,14 @@ def _soak_verdicts(rss_growth_mib: float, host_before: int, host_after: int) -> 
 
 def test_the_soak_allows_for_the_host_cache_growing_and_no_more() -> None:
     """Prompts saved to the host-RAM tier are memory kept on purpose: the soak's RSS bound
-    (64 MiB + the KV pool) grows by what that tier gained over the run, in MiB, and a leak
-    beyond it still fails."""
+    (96 MiB + the KV pool of 5) grows by what that tier gained over the run, in MiB, and a
+    leak beyond it still fails."""
     mib = 2**20
-    assert _soak_verdicts(60, 0, 0)
-    assert not _soak_verdicts(90, 0, 0)
-    assert _soak_verdicts(90, 0, 30 * mib)
-    assert not _soak_verdicts(90, 10 * mib, 30 * mib)  # only the growth counts
-    assert not _soak_verdicts(120, 0, 30 * mib)
+    assert _soak_verdicts(92, 0, 0)
+    assert not _soak_verdicts(122, 0, 0)
+    assert _soak_verdicts(122, 0, 30 * mib)
+    assert not _soak_verdicts(122, 10 * mib, 30 * mib)  # only the growth counts
+    assert not _soak_verdicts(152, 0, 30 * mib)
 
 
 async def test_slow_senders_are_cut_off(tiny_gguf: Path) -> None:
