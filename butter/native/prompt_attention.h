@@ -327,28 +327,105 @@ AVX2_TARGET static void prompt_cell_ranges(const AttentionView &a, float *ranges
     }
 }
 
+/* The weighted values of the `active` pairs listed in `seen` (those that see a cell), in
+ * blocks of ATTENTION_CHUNK cells (int32 sums), up to 4 pairs sharing each value's load,
+ * added to their totals. */
+AVX2_TARGET static void prompt_tile_values(const AttentionView &a, const PromptPlan &p,
+                                           const PromptScratch &s, const char *v, int64_t n,
+                                           const int64_t *seen, int active) {
+    for (int64_t b = 0; b < n; b += ATTENTION_CHUNK) {
+        const int64_t here = n - b < ATTENTION_CHUNK ? n - b : ATTENTION_CHUNK;
+        for (int i = 0; i < active; i += 4) {
+            const int count = active - i < 4 ? active - i : 4;
+            const float *weights[4];
+            int32_t *units[4];
+            for (int g = 0; g < count; g++) {
+                weights[g] = s.scores + seen[i + g] * p.stride + b;
+                units[g] = s.units + g * a.dv;
+            }
+            switch (count) {
+            case 1: attention_value_units_heads<1>(a, v, s.cells + b, here, weights, units); break;
+            case 2: attention_value_units_heads<2>(a, v, s.cells + b, here, weights, units); break;
+            case 3: attention_value_units_heads<3>(a, v, s.cells + b, here, weights, units); break;
+            default: attention_value_units_heads<4>(a, v, s.cells + b, here, weights, units); break;
+            }
+            for (int g = 0; g < count; g++) {
+                prompt_add_units(s.totals + seen[i + g] * a.dv, units[g], a.dv);
+            }
+        }
+    }
+}
+
+/* prompt_tile_with's passes on AVX2: scores 8 cells at a time. */
+struct NarrowTiles {
+    static constexpr int64_t CELL_BLOCK = 8; /* the union is padded to a multiple of it */
+
+    AVX2_TARGET static void scores(const AttentionView &a, const PromptPlan &p,
+                                   const PromptScratch &s, int64_t seq, int64_t first,
+                                   int64_t rows, int64_t kv_head, int64_t n, float *tops,
+                                   float *ranges) {
+        prompt_tile_scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
+    }
+
+    AVX2_TARGET static void values(const AttentionView &a, const PromptPlan &p,
+                                   const PromptScratch &s, const char *v, int64_t n,
+                                   const int64_t *seen, int active) {
+        prompt_tile_values(a, p, s, v, n, seen, active);
+    }
+};
+
+/* Each pair's output from its value totals, as attention_finish writes it (a pair that sees
+ * no cell: zeros). */
+AVX2_TARGET static void prompt_tile_finish(const AttentionView &a, const PromptPlan &p,
+                                           const PromptScratch &s, int64_t seq, int64_t first,
+                                           int64_t pairs, int64_t kv_head, const float *tops,
+                                           const int *shifts, const int64_t *weight_units) {
+    for (int64_t pair = 0; pair < pairs; pair++) {
+        const int64_t row = first + pair / p.group, head = kv_head * p.group + pair % p.group;
+        float *out = (float *)(a.dst + (size_t)(seq * a.rows * a.heads + head +
+                                                row * a.heads) * a.dst_row);
+        const float top = tops[pair];
+        if (top == -INFINITY) {
+            memset(out, 0, (size_t)a.dv * sizeof(float));
+            continue;
+        }
+        int64_t units = weight_units[pair];
+        if (a.sinks != nullptr) {
+            units += (int64_t)nearbyint(ldexp((double)expf(a.sinks[head] - top), WEIGHT_BITS));
+        }
+        const double per_unit =
+            units == 0 ? 0.0 : ldexp(1.0, WEIGHT_BITS - shifts[pair]) / (double)units;
+        const int64_t *total = s.totals + pair * a.dv;
+        for (int64_t d = 0; d < a.dv; d++) {
+            out[d] = (float)((double)total[d] * per_unit);
+        }
+    }
+}
+
 /* One tile, every KV head: what attention_finish writes for each of its (row, query head)s.
- * `ranges_of`: the stream's cells' largest |value|s (prompt_cell_ranges). */
-AVX2_TARGET static void prompt_tile(const AttentionView &a, const PromptPlan &p,
-                                    const PromptScratch &s, const float *ranges_of, int64_t seq,
-                                    int64_t tile) {
+ * `ranges_of`: the stream's cells' largest |value|s (prompt_cell_ranges). `Tiles` gives the
+ * instruction set's score and value passes (NarrowTiles, or prompt_attention_avx512.h's
+ * WideTiles); everything else is the same for both. */
+template <class Tiles>
+AVX2_TARGET static void prompt_tile_with(const AttentionView &a, const PromptPlan &p,
+                                         const PromptScratch &s, const float *ranges_of,
+                                         int64_t seq, int64_t tile) {
     const int64_t first = tile * p.tile_rows;
     const int64_t rows = a.rows - first < p.tile_rows ? a.rows - first : p.tile_rows;
     const int64_t pairs = rows * p.group;
     const int64_t n = prompt_union(a, seq, first, rows, s.cells);
-    const int64_t padded = (n + 7) / 8 * 8;
+    const int64_t padded = (n + Tiles::CELL_BLOCK - 1) / Tiles::CELL_BLOCK * Tiles::CELL_BLOCK;
     for (int64_t c = n; c < padded; c++) {
         s.cells[c] = s.cells[n - 1]; /* (n > 0 here) */
     }
     for (int64_t kv_head = 0; kv_head < a.kv_heads; kv_head++) {
-        const char *v = a.v + kv_head * a.v_head + seq * a.v_seq;
         float tops[PROMPT_TILE_PAIRS], ranges[PROMPT_TILE_PAIRS];
         if (n > 0) {
             const float *cell_ranges = ranges_of + kv_head * a.cells;
             for (int64_t c = 0; c < padded; c++) {
                 s.ranges[c] = cell_ranges[s.cells[c]];
             }
-            prompt_tile_scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
+            Tiles::scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
         } else {
             for (int64_t pair = 0; pair < pairs; pair++) {
                 const int64_t head = kv_head * p.group + pair % p.group;
@@ -357,63 +434,29 @@ AVX2_TARGET static void prompt_tile(const AttentionView &a, const PromptPlan &p,
         }
         int64_t weight_units[PROMPT_TILE_PAIRS];
         int shifts[PROMPT_TILE_PAIRS];
+        int64_t seen[PROMPT_TILE_PAIRS]; /* the pairs that see a cell */
+        int active = 0;
         for (int64_t pair = 0; pair < pairs; pair++) {
             shifts[pair] = n > 0 ? attention_value_shift(ranges[pair / p.group]) : 0;
             weight_units[pair] = tops[pair] == -INFINITY || n == 0
                                      ? 0
                                      : attention_weights(s.scores + pair * p.stride, padded,
                                                          tops[pair], ldexpf(1.0f, shifts[pair]));
+            if (tops[pair] != -INFINITY && n > 0) {
+                seen[active++] = pair;
+            }
         }
         memset(s.totals, 0, (size_t)(pairs * a.dv) * sizeof(int64_t));
-        /* the weighted values, in blocks of ATTENTION_CHUNK cells (int32 sums), up to 4
-         * pairs sharing each value's load */
-        for (int64_t b = 0; b < n; b += ATTENTION_CHUNK) {
-            const int64_t here = n - b < ATTENTION_CHUNK ? n - b : ATTENTION_CHUNK;
-            const float *weights[4];
-            int32_t *units[4];
-            int64_t which[4];
-            int count = 0;
-            for (int64_t pair = 0; pair < pairs; pair++) {
-                if (tops[pair] != -INFINITY) {
-                    weights[count] = s.scores + pair * p.stride + b;
-                    units[count] = s.units + count * a.dv;
-                    which[count++] = pair;
-                }
-                if (count == 4 || (pair == pairs - 1 && count > 0)) {
-                    switch (count) {
-                    case 1: attention_value_units_heads<1>(a, v, s.cells + b, here, weights, units); break;
-                    case 2: attention_value_units_heads<2>(a, v, s.cells + b, here, weights, units); break;
-                    case 3: attention_value_units_heads<3>(a, v, s.cells + b, here, weights, units); break;
-                    default: attention_value_units_heads<4>(a, v, s.cells + b, here, weights, units); break;
-                    }
-                    for (int i = 0; i < count; i++) {
-                        prompt_add_units(s.totals + which[i] * a.dv, units[i], a.dv);
-                    }
-                    count = 0;
-                }
-            }
-        }
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            const int64_t row = first + pair / p.group, head = kv_head * p.group + pair % p.group;
-            float *out = (float *)(a.dst + (size_t)(seq * a.rows * a.heads + head +
-                                                    row * a.heads) * a.dst_row);
-            const float top = tops[pair];
-            if (top == -INFINITY) {
-                memset(out, 0, (size_t)a.dv * sizeof(float));
-                continue;
-            }
-            int64_t units = weight_units[pair];
-            if (a.sinks != nullptr) {
-                units += (int64_t)nearbyint(ldexp((double)expf(a.sinks[head] - top), WEIGHT_BITS));
-            }
-            const double per_unit =
-                units == 0 ? 0.0 : ldexp(1.0, WEIGHT_BITS - shifts[pair]) / (double)units;
-            const int64_t *total = s.totals + pair * a.dv;
-            for (int64_t d = 0; d < a.dv; d++) {
-                out[d] = (float)((double)total[d] * per_unit);
-            }
-        }
+        Tiles::values(a, p, s, a.v + kv_head * a.v_head + seq * a.v_seq, n, seen, active);
+        prompt_tile_finish(a, p, s, seq, first, pairs, kv_head, tops, shifts, weight_units);
     }
+}
+
+/* prompt_tile_with on AVX2. */
+AVX2_TARGET static void prompt_tile(const AttentionView &a, const PromptPlan &p,
+                                    const PromptScratch &s, const float *ranges_of, int64_t seq,
+                                    int64_t tile) {
+    prompt_tile_with<NarrowTiles>(a, p, s, ranges_of, seq, tile);
 }
 
 #endif /* BUTTER_X86 */

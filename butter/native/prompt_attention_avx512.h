@@ -309,93 +309,61 @@ WIDE_TARGET static inline void wide_value_units_all(const AttentionView &a, cons
     }
 }
 
-/* prompt_tile on AVX-512: the same result, keys and values packed once per block for every
+/* The weighted values of the `active` pairs in `seen`: each block of PROMPT_VALUE_CELLS
+ * values packed once (the next one fetched meanwhile), WIDE_VALUE_PAIRS pairs weighing it
+ * together. */
+WIDE_TARGET static void wide_tile_values(const AttentionView &a, const PromptPlan &p,
+                                         const PromptScratch &s, const char *v, int64_t n,
+                                         const int64_t *seen, int active) {
+    for (int64_t b = 0; b < n; b += PROMPT_VALUE_CELLS) {
+        const int64_t here = n - b < PROMPT_VALUE_CELLS ? n - b : PROMPT_VALUE_CELLS;
+        const int64_t next = n - b - here < PROMPT_VALUE_CELLS ? n - b - here : PROMPT_VALUE_CELLS;
+        wide_pack_values(a, v, s.cells + b, here, s.values, next);
+        for (int i = 0; i < active; i += WIDE_VALUE_PAIRS) {
+            const int count = active - i < WIDE_VALUE_PAIRS ? active - i : WIDE_VALUE_PAIRS;
+            const float *weights[WIDE_VALUE_PAIRS];
+            int32_t *units[WIDE_VALUE_PAIRS];
+            for (int g = 0; g < count; g++) {
+                weights[g] = s.scores + seen[i + g] * p.stride + b;
+                units[g] = s.units + g * a.dv;
+            }
+            switch (count) {
+            case 1: wide_value_units_all<1>(a, s.values, here, weights, units); break;
+            case 2: wide_value_units_all<2>(a, s.values, here, weights, units); break;
+            case 3: wide_value_units_all<3>(a, s.values, here, weights, units); break;
+            default: wide_value_units_all<4>(a, s.values, here, weights, units); break;
+            }
+            for (int g = 0; g < count; g++) {
+                prompt_add_units(s.totals + seen[i + g] * a.dv, units[g], a.dv);
+            }
+        }
+    }
+}
+
+/* prompt_tile_with's passes on AVX-512: keys and values packed once per block for every
  * pair of the tile. */
+struct WideTiles {
+    static constexpr int64_t CELL_BLOCK = 16;
+
+    WIDE_TARGET static void scores(const AttentionView &a, const PromptPlan &p,
+                                   const PromptScratch &s, int64_t seq, int64_t first,
+                                   int64_t rows, int64_t kv_head, int64_t n, float *tops,
+                                   float *ranges) {
+        wide_tile_scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
+    }
+
+    WIDE_TARGET static void values(const AttentionView &a, const PromptPlan &p,
+                                   const PromptScratch &s, const char *v, int64_t n,
+                                   const int64_t *seen, int active) {
+        wide_tile_values(a, p, s, v, n, seen, active);
+    }
+};
+
+/* prompt_tile on AVX-512: the same result. */
 WIDE_TARGET static void wide_tile(const AttentionView &a, const PromptPlan &p,
                                   const PromptScratch &s, const float *ranges_of, int64_t seq,
                                   int64_t tile) {
-    const int64_t first = tile * p.tile_rows;
-    const int64_t rows = a.rows - first < p.tile_rows ? a.rows - first : p.tile_rows;
-    const int64_t pairs = rows * p.group;
-    const int64_t n = prompt_union(a, seq, first, rows, s.cells);
-    const int64_t padded = (n + 15) / 16 * 16;
-    for (int64_t c = n; c < padded; c++) {
-        s.cells[c] = s.cells[n - 1]; /* (n > 0 here) */
-    }
-    for (int64_t kv_head = 0; kv_head < a.kv_heads; kv_head++) {
-        const char *v = a.v + kv_head * a.v_head + seq * a.v_seq;
-        float tops[PROMPT_TILE_PAIRS], ranges[PROMPT_TILE_PAIRS];
-        if (n > 0) {
-            const float *cell_ranges = ranges_of + kv_head * a.cells;
-            for (int64_t c = 0; c < padded; c++) {
-                s.ranges[c] = cell_ranges[s.cells[c]];
-            }
-            wide_tile_scores(a, p, s, seq, first, rows, kv_head, n, tops, ranges);
-        } else {
-            for (int64_t pair = 0; pair < pairs; pair++) {
-                const int64_t head = kv_head * p.group + pair % p.group;
-                tops[pair] = a.sinks != nullptr ? a.sinks[head] : -INFINITY;
-            }
-        }
-        int64_t weight_units[PROMPT_TILE_PAIRS];
-        int shifts[PROMPT_TILE_PAIRS];
-        int64_t seen[PROMPT_TILE_PAIRS]; /* the pairs that see a cell */
-        int active = 0;
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            shifts[pair] = n > 0 ? attention_value_shift(ranges[pair / p.group]) : 0;
-            weight_units[pair] = tops[pair] == -INFINITY || n == 0
-                                     ? 0
-                                     : attention_weights(s.scores + pair * p.stride, padded,
-                                                         tops[pair], ldexpf(1.0f, shifts[pair]));
-            if (tops[pair] != -INFINITY && n > 0) {
-                seen[active++] = pair;
-            }
-        }
-        memset(s.totals, 0, (size_t)(pairs * a.dv) * sizeof(int64_t));
-        for (int64_t b = 0; b < n; b += PROMPT_VALUE_CELLS) {
-            const int64_t here = n - b < PROMPT_VALUE_CELLS ? n - b : PROMPT_VALUE_CELLS;
-            const int64_t next = n - b - here < PROMPT_VALUE_CELLS ? n - b - here : PROMPT_VALUE_CELLS;
-            wide_pack_values(a, v, s.cells + b, here, s.values, next);
-            for (int i = 0; i < active; i += WIDE_VALUE_PAIRS) {
-                const int count = active - i < WIDE_VALUE_PAIRS ? active - i : WIDE_VALUE_PAIRS;
-                const float *weights[WIDE_VALUE_PAIRS];
-                int32_t *units[WIDE_VALUE_PAIRS];
-                for (int g = 0; g < count; g++) {
-                    weights[g] = s.scores + seen[i + g] * p.stride + b;
-                    units[g] = s.units + g * a.dv;
-                }
-                switch (count) {
-                case 1: wide_value_units_all<1>(a, s.values, here, weights, units); break;
-                case 2: wide_value_units_all<2>(a, s.values, here, weights, units); break;
-                case 3: wide_value_units_all<3>(a, s.values, here, weights, units); break;
-                default: wide_value_units_all<4>(a, s.values, here, weights, units); break;
-                }
-                for (int g = 0; g < count; g++) {
-                    prompt_add_units(s.totals + seen[i + g] * a.dv, units[g], a.dv);
-                }
-            }
-        }
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            const int64_t row = first + pair / p.group, head = kv_head * p.group + pair % p.group;
-            float *out = (float *)(a.dst + (size_t)(seq * a.rows * a.heads + head +
-                                                    row * a.heads) * a.dst_row);
-            const float top = tops[pair];
-            if (top == -INFINITY) {
-                memset(out, 0, (size_t)a.dv * sizeof(float));
-                continue;
-            }
-            int64_t units = weight_units[pair];
-            if (a.sinks != nullptr) {
-                units += (int64_t)nearbyint(ldexp((double)expf(a.sinks[head] - top), WEIGHT_BITS));
-            }
-            const double per_unit =
-                units == 0 ? 0.0 : ldexp(1.0, WEIGHT_BITS - shifts[pair]) / (double)units;
-            const int64_t *total = s.totals + pair * a.dv;
-            for (int64_t d = 0; d < a.dv; d++) {
-                out[d] = (float)((double)total[d] * per_unit);
-            }
-        }
-    }
+    prompt_tile_with<WideTiles>(a, p, s, ranges_of, seq, tile);
 }
 
 #endif /* BUTTER_X86 */
