@@ -247,15 +247,6 @@ def test_a_missing_or_foreign_file_is_refused(tiny_gguf: Path, tmp_path: Path) -
                         mmproj=tiny_gguf)
 
 
-def test_a_model_whose_images_take_m_rope_positions_is_refused(
-        tiny_qwen35_gguf: Path, tiny_mmproj_gguf: Path) -> None:
-    """Qwen3.5's text model gives image embeddings M-RoPE positions (libmtmd asks the text
-    model): fewer positions than cells, which butter's sequences do not keep yet."""
-    with pytest.raises(ModelLoadError, match="M-RoPE positions"):
-        LlamaCppBackend(tiny_qwen35_gguf, n_cells=128, n_seq=1, n_batch=N_BATCH, threads=1,
-                        mmproj=tiny_mmproj_gguf)
-
-
 # --- tokenizing -------------------------------------------------------------------------
 
 def test_tokenize_media_puts_the_images_ids_between_the_texts_tokens(

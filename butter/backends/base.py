@@ -189,15 +189,35 @@ def apply_kv_ops(editor: KvEditor, ops: Iterable[KvOp]) -> list[KvOutcome]:
     return outcomes
 
 
+@attrs.frozen
+class ImageGrid:
+    """An image's M-RoPE positions (a Qwen-VL text model's: time, height, width and an
+    unused section for each embedding), as libmtmd gives them when the image's first cell
+    is at position p0: section s of embedding i is offsets[s][i], plus p0 where moves[s].
+    The image takes `n_pos` positions (its cells share the time position p0)."""
+
+    offsets: tuple[tuple[int, ...], ...]
+    moves: tuple[bool, ...]
+    n_pos: int
+
+    def sections(self, p0: int, first: int, count: int) -> list[list[int]]:
+        """The position sections of embeddings first..first + count."""
+        return [[offset + (p0 if moving else 0) for offset in section[first:first + count]]
+                for section, moving in zip(self.offsets, self.moves, strict=True)]
+
+
 @attrs.frozen(eq=False)
 class PromptImage:
-    """An image's place in a prompt: `n_tokens` positions from `start`, evaluated from the
+    """An image's place in a prompt: `n_tokens` cells from `start`, evaluated from the
     projector's embeddings of the image rather than from tokens. The prompt holds
-    image_token_ids(key, n_tokens) there, so that prefix matching tells images apart."""
+    image_token_ids(key, n_tokens) there, so that prefix matching tells images apart.
+    `grid`: its M-RoPE positions, where the model gives it those (None: one position a
+    cell, as text)."""
 
     start: int
     n_tokens: int
     image: DecodedImage
+    grid: ImageGrid | None = None
 
     @property
     def end(self) -> int:

@@ -130,6 +130,17 @@ class CheckpointStats:
     bytes: int = 0
 
 
+def image_edge(prompt: Sequence[int], keep: int) -> int:
+    """`keep`, or, where it falls inside an image of the prompt (between two of its
+    image_token_ids), where that image starts: a cache is cut, copied or checkpointed only
+    at an image's edge. On a model whose images take M-RoPE positions an image's cells
+    share one position, which no cut can split (backends/llama_cpp/positions.py); on others
+    the rest of an image is rarely worth keeping apart (a request cancelled inside one)."""
+    while 0 < keep < len(prompt) and prompt[keep - 1] < 0 and prompt[keep] < 0:
+        keep -= 1
+    return keep
+
+
 class PrefixCache:
     def __init__(self, backend: Backend, *, n_seq: int, cache_ram_bytes: int,
                  prefill_chunk: int,
@@ -391,6 +402,7 @@ class PrefixCache:
                    sequence.reusable_cache)
         if keep == len(sequence.kv_tokens) and sequence.generation is None:
             return keep  # (it extends the whole cache)
+        keep = image_edge(prompt, keep)  # (cut or copied in part: at an image's edge)
         if self._can_cut(sequence) and not self.backend.info.is_recurrent:
             return keep
         return self._checkpoint_within(sequence.checkpoints, keep)
@@ -407,6 +419,8 @@ class PrefixCache:
         best_keep = 0
         for entry in self.host.entries():
             keep = min(common_prefix_length(entry.tokens, prompt), len(prompt) - 1)
+            if keep < len(entry.tokens):
+                keep = image_edge(prompt, keep)
             if keep < len(entry.tokens) and self.backend.rewind_limit is not None:
                 # (a cache that cannot be cut is restored whole, or to a checkpoint)
                 keep = self._checkpoint_within(entry.checkpoints, keep)
@@ -479,9 +493,12 @@ class PrefixCache:
 
     def _plan_checkpoints(self, sequence: KvSequence, generation: Generation) -> None:
         if self.checkpoints_on:
-            sequence.planned = checkpoints.positions(
-                len(generation.prompt), len(sequence.kv_tokens), self.prefill_chunk,
-                generation.checkpoint_hints)
+            prompt = generation.prompt
+            sequence.planned = [  # (a state is cut back to its checkpoint: at an image's edge)
+                at for at in checkpoints.positions(len(prompt), len(sequence.kv_tokens),
+                                                   self.prefill_chunk,
+                                                   generation.checkpoint_hints)
+                if image_edge(prompt, at) == at]
 
     # ------------------------------------------------------------------ eviction
 

@@ -44,6 +44,9 @@ class Shape:
     rms_eps: float
     qk_norm: bool = False  # per-head RMS norms of q and k (Qwen3)
     llama3_rope: bool = False  # Llama 3.1's rope scaling, stored as rope_freqs.weight
+    # M-RoPE (Qwen-VL text models): the rotary pairs given to each of the 4 position
+    # sections (time, height, width, unused); None: one position a token
+    rope_sections: tuple[int, int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,8 @@ def _add_hparams(writer: gguf.GGUFWriter, shape: Shape, name: str,
     if full:
         writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_theta)
+    if shape.rope_sections is not None:
+        writer.add_rope_dimension_sections(list(shape.rope_sections))
     writer.add_layer_norm_rms_eps(shape.rms_eps)
 
 

@@ -12,6 +12,7 @@ tests can check that llama.cpp and ``tokenizers`` agree on token ids.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -41,6 +42,9 @@ N_HEAD_KV: Final = 2
 HEAD_DIM: Final = 32  # llama.cpp quantized KV caches need 32-element blocks
 N_FF: Final = 128
 ROPE_THETA: Final = 1_000_000.0
+# The tiny Qwen3-VL's M-RoPE sections: rotary pairs for time, height, width (HEAD_DIM / 2 in
+# all, Qwen3-VL's proportions [24, 20, 20] of 64)
+MROPE_SECTIONS: Final = (6, 5, 5, 0)
 RMS_EPS: Final = 1e-6
 
 # Merges requested from the BPE trainer; the corpus below is large enough to
@@ -410,6 +414,7 @@ def write_tiny_qwen3_gguf(
     f16_output: bool = False,
     q4_0: bool = False,
     width: int = N_EMBD,
+    m_rope: bool = False,
 ) -> pathlib.Path:
     """Write the tiny Qwen3 model to ``path`` and return it as a Path.
 
@@ -426,8 +431,13 @@ def write_tiny_qwen3_gguf(
     With ``q4_0`` the layer matrices are Q4_0 instead of Q8_0: a type llama.cpp repacks for
     its interleaved x86 kernels when weight repacking is on. ``width`` sets the hidden
     size (the FFN scales with it): 256 or more lets llama.cpp's quantizer use K-quants.
+    With ``m_rope`` it is a Qwen3-VL text model instead (llama.cpp's ``qwen3vl``: the same
+    tensors, M-RoPE positions in MROPE_SECTIONS), whose images take fewer positions than
+    embeddings.
     """
     shape = tiny_shape(width=width, n_ctx_train=n_ctx_train, fim=fim)
+    if m_rope:
+        shape = dataclasses.replace(shape, arch="qwen3vl", rope_sections=MROPE_SECTIONS)
     vocab = tiny_vocabulary(CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
     file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
     layer_type = GgmlType.Q4_0 if q4_0 else GgmlType.Q8_0

@@ -19,10 +19,15 @@ position embeddings, a pre-layernorm, then the transformer blocks up to the seco
 (LLaVA takes the penultimate layer's features, so of the two blocks written only the first
 runs), then the MLP. Weights are float32 (a few hundred KB in all) and come from a seeded
 generator: the same arguments give the same bytes.
+
+``write_tiny_qwen_vl_mmproj_gguf`` writes a second kind, Qwen3-VL's (and Qwen3.5's) vision
+tower (``qwen3vl_merger``), for M-RoPE text models: it keeps an image's aspect, and gives it
+``qwen_vl_grid()`` columns x rows of embeddings at max(columns, rows) text positions.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 from typing import Final
@@ -127,5 +132,169 @@ def write_tiny_mmproj_gguf(
     n_pos = image_tokens(image_size=image_size, patch_size=patch_size)
     for tensor_name, tensor in _vision_tensors(rng, n_embd_text=n_embd_text, n_pos=n_pos,
                                                patch_size=patch_size).items():
+        writer.add_tensor(tensor_name, tensor)
+    return finish_file(writer, partial, target)
+
+
+# --- a Qwen-VL projector (M-RoPE) ---------------------------------------------------------
+#
+# Qwen3-VL's (and Qwen3.5's) vision tower, as libmtmd names it: ``qwen3vl_merger``
+# (PROJECTOR_TYPE_QWEN3VL, tools/mtmd/models/qwen3vl.cpp), here with no deepstack layers, so
+# its output is exactly the text model's width. Unlike the LLaVA projector above, libmtmd
+# keeps the image's aspect: it resizes it to a multiple of 2 * patch_size a side (each 2x2
+# block of patches merges into one embedding), rows x columns of embeddings that the text
+# model decodes with M-RoPE positions: an image takes max(rows, columns) positions, fewer
+# than its embeddings (``qwen_vl_grid()``).
+
+QWEN_VL_PROJECTOR_TYPE: Final = "qwen3vl_merger"
+QWEN_VL_PATCH_SIZE: Final = 8  # so one embedding is a 16-pixel square of the resized image
+QWEN_VL_MERGE: Final = 2  # patches merged per side: qwen3vl.cpp's graph has 2 built in
+QWEN_VL_POS_SIDE: Final = 4  # learned position embeddings: a 4x4 grid, interpolated
+# (bilinear) to each image's patch grid
+# libmtmd's bounds on a Qwen-VL image, in merged embeddings (clip.cpp load_hparams:
+# set_limit_image_tokens(8, 4096)); a GGUF cannot change them (clip.cpp reads no
+# image_min/max_pixels key for this type), only mtmd_context_params' image_min_tokens /
+# image_max_tokens can.
+QWEN_VL_MIN_TOKENS: Final = 8
+QWEN_VL_MAX_TOKENS: Final = 4096
+# Qwen3-VL's processor normalises to [-1, 1].
+QWEN_VL_IMAGE_MEAN: Final = (0.5, 0.5, 0.5)
+QWEN_VL_IMAGE_STD: Final = (0.5, 0.5, 0.5)
+
+
+def qwen_vl_grid(width: int, height: int, *, patch_size: int = QWEN_VL_PATCH_SIZE,
+                 min_tokens: int = QWEN_VL_MIN_TOKENS,
+                 max_tokens: int = QWEN_VL_MAX_TOKENS) -> tuple[int, int]:
+    """The (columns, rows) of merged embeddings libmtmd makes of a ``width`` x ``height``
+    image with the Qwen-VL projector (mtmd_image_tokens_get_nx / _ny): the image has
+    columns * rows embeddings and, under M-RoPE, max(columns, rows) text positions.
+
+    libmtmd's dyn-size preprocessor (mtmd-image.cpp calc_size_preserved_ratio, float32
+    arithmetic, reproduced here) rounds each side to the nearest multiple of
+    ``align = 2 * patch_size`` (at least one); if that exceeds ``max_tokens`` merged
+    embeddings it scales both sides down by sqrt(pixels / max_pixels) and floors them, and if
+    it falls short of ``min_tokens`` it scales both up by sqrt(min_pixels / pixels) and ceils
+    them (so a 32x32 image, 2x2 at first, becomes 48x48: 3x3). The picture is then resized
+    (bicubic, no padding) to exactly that size."""
+    align = patch_size * QWEN_VL_MERGE
+    min_pixels = min_tokens * align * align
+    max_pixels = max_tokens * align * align
+    f32 = np.float32
+
+    def round_by(x: np.float32) -> int:  # std::round: half away from zero
+        return math.floor(float(f32(x) / f32(align)) + 0.5) * align
+
+    def ceil_by(x: np.float32) -> int:
+        return math.ceil(float(f32(x) / f32(align))) * align
+
+    def floor_by(x: np.float32) -> int:
+        return math.floor(float(f32(x) / f32(align))) * align
+
+    if width <= 0 or height <= 0:
+        raise ValueError(f"no image of {width}x{height} pixels")
+    w_bar = max(align, round_by(f32(width)))
+    h_bar = max(align, round_by(f32(height)))
+    if max_pixels > 0 and w_bar * h_bar > max_pixels:
+        beta = np.sqrt(f32(height) * f32(width) / f32(max_pixels))
+        h_bar = max(align, floor_by(f32(height) / beta))
+        w_bar = max(align, floor_by(f32(width) / beta))
+    elif min_pixels > 0 and w_bar * h_bar < min_pixels:
+        beta = np.sqrt(f32(min_pixels) / (f32(height) * f32(width)))
+        h_bar = ceil_by(f32(height) * beta)
+        w_bar = ceil_by(f32(width) * beta)
+    return w_bar // align, h_bar // align
+
+
+def _qwen_vl_tensors(rng: np.random.Generator, *, n_embd_text: int,
+                     patch_size: int) -> dict[str, F32Array]:
+    """Every tensor of the Qwen3-VL vision tower, named as libmtmd loads them; numpy shapes
+    are the GGUF's ne reversed ((out, in) for a matrix)."""
+    in_std = V_EMBD**-0.5
+    merged = V_EMBD * QWEN_VL_MERGE * QWEN_VL_MERGE  # a 2x2 block's features, concatenated
+    kernel = (V_EMBD, 3, patch_size, patch_size)
+    kernel_std = (2 * 3 * patch_size * patch_size) ** -0.5
+    tensors: dict[str, F32Array] = {
+        # HF's Conv3d over two frames, split into two Conv2d kernels (convert_hf_to_gguf):
+        # a still image is both frames, so both convolve it and their sum is the patch.
+        # qwen3vl.cpp needs both (the second loads as optional but the graph uses it), and
+        # asserts the bias and the position embeddings.
+        "v.patch_embd.weight": random_normal(rng, kernel, kernel_std),
+        "v.patch_embd.weight.1": random_normal(rng, kernel, kernel_std),
+        "v.patch_embd.bias": random_normal(rng, (V_EMBD,), 0.1),
+        "v.position_embd.weight": random_normal(rng, (QWEN_VL_POS_SIDE**2, V_EMBD), 0.5),
+    }
+    for layer in range(V_LAYER):
+        prefix = f"v.blk.{layer}."
+        # one fused QKV projection (rows: q, then k, then v); the graph adds its bias
+        # unconditionally, so the bias is needed too
+        tensors[prefix + "attn_qkv.weight"] = random_normal(rng, (3 * V_EMBD, V_EMBD), in_std)
+        tensors[prefix + "attn_qkv.bias"] = random_normal(rng, (3 * V_EMBD,), 0.1)
+        tensors[prefix + "attn_out.weight"] = random_normal(rng, (V_EMBD, V_EMBD), in_std)
+        tensors[prefix + "attn_out.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+        for name in ("ln1", "ln2"):
+            tensors[f"{prefix}{name}.weight"] = norm_weight(rng, V_EMBD)
+            tensors[f"{prefix}{name}.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+        tensors[prefix + "ffn_up.weight"] = random_normal(rng, (V_FF, V_EMBD), in_std)
+        tensors[prefix + "ffn_up.bias"] = random_normal(rng, (V_FF,), 0.1)
+        tensors[prefix + "ffn_down.weight"] = random_normal(rng, (V_EMBD, V_FF), V_FF**-0.5)
+        tensors[prefix + "ffn_down.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+    # The merger: a LayerNorm per patch (HF's merger.norm), then each 2x2 block's features
+    # through fc1 (mm.0), GELU, fc2 (mm.2) to the text model's width, which libmtmd checks
+    # against llama_model_n_embd_inp (clip_n_mmproj_embd: mm.2's bias length times
+    # 1 + the deepstack layers, none here).
+    tensors["v.post_ln.weight"] = norm_weight(rng, V_EMBD)
+    tensors["v.post_ln.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+    tensors["mm.0.weight"] = random_normal(rng, (merged, merged), merged**-0.5)
+    tensors["mm.0.bias"] = random_normal(rng, (merged,), 0.1)
+    tensors["mm.2.weight"] = random_normal(rng, (n_embd_text, merged), merged**-0.5)
+    tensors["mm.2.bias"] = random_normal(rng, (n_embd_text,), 0.1)
+    return tensors
+
+
+def write_tiny_qwen_vl_mmproj_gguf(
+    path: str | os.PathLike[str],
+    *,
+    n_embd_text: int = N_EMBD,
+    seed: int = 0,
+    patch_size: int = QWEN_VL_PATCH_SIZE,
+    name: str = "tiny-qwen-vl-mmproj",
+) -> pathlib.Path:
+    """Write a tiny Qwen3-VL projector (``qwen3vl_merger``) to ``path`` and return it as a
+    Path (renamed into place when whole; the same arguments give the same bytes).
+
+    ``n_embd_text`` must be the text model's width (64 for the tiny Qwen3-VL of
+    ``write_tiny_qwen3_gguf(m_rope=True)`` and for the tiny Qwen3.5 of tiny_hybrid.py),
+    which must use M-RoPE for libmtmd to give images Qwen-VL positions. An image of any
+    size becomes ``qwen_vl_grid(width, height, patch_size=...)`` columns x rows of
+    embeddings: with the default 8-pixel patches, 16 pixels a side per embedding and at
+    least 8 embeddings (64x48 gives 4x3: 12 embeddings at 4 positions)."""
+    if patch_size <= 0:
+        raise ValueError(f"patch_size {patch_size} is not positive")
+    target = pathlib.Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_projector_type(QWEN_VL_PROJECTOR_TYPE)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(n_embd_text)
+    # The side of the learned position grid, in pixels (as convert_hf_to_gguf derives it);
+    # libmtmd only checks it, images keep their own size.
+    writer.add_vision_image_size(QWEN_VL_POS_SIDE * patch_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(V_EMBD)
+    writer.add_vision_feed_forward_length(V_FF)
+    writer.add_vision_block_count(V_LAYER)
+    writer.add_vision_head_count(V_HEAD)
+    writer.add_vision_attention_layernorm_eps(V_EPS)
+    writer.add_vision_image_mean(list(QWEN_VL_IMAGE_MEAN))
+    writer.add_vision_image_std(list(QWEN_VL_IMAGE_STD))
+    writer.add_vision_use_gelu(True)  # Qwen3-VL's vision MLP: GELU (tanh), not quick GELU
+    writer.add_vision_spatial_merge_size(QWEN_VL_MERGE)
+    writer.add_vision_is_deepstack_layers([False] * V_LAYER)
+    rng = np.random.default_rng(seed)
+    for tensor_name, tensor in _qwen_vl_tensors(rng, n_embd_text=n_embd_text,
+                                                patch_size=patch_size).items():
         writer.add_tensor(tensor_name, tensor)
     return finish_file(writer, partial, target)

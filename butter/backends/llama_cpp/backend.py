@@ -47,6 +47,7 @@ from butter.backends.llama_cpp.batch import (
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import BUTTER_EXACT_ROWS, LlamaModel
 from butter.backends.llama_cpp.placement import TeamPlacement
+from butter.backends.llama_cpp.positions import SequencePositions
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.vision import Projector
 from butter.backends.native import Unavailable
@@ -136,9 +137,12 @@ class LlamaCppBackend:
         self.butter_attention, self.decode_attention = self._choose_decode_attention()
         # (butter computes a lone row as a bigger step's row: no scratch row beside it)
         pad_one_row = cpu and exact_decode and not self.butter_attention
+        # Images with M-RoPE positions: where each sequence's cells sit (positions.py)
+        self.positions = SequencePositions() \
+            if self.projector is not None and self.projector.m_rope else None
         self.stepper = Stepper(self.model, self.samplers, self.layouts, separate_prompts=cpu,
                                pad_one_row=pad_one_row, drafter=self.drafter,
-                               projector=self.projector)
+                               projector=self.projector, positions=self.positions)
         self.prompt_tile = PROMPT_TILE_ROWS if cpu else 1  # (GPU kernels: unmeasured)
         self.draft_rows, self.speculation_off = self._draft_rows()
         if self.model.lm_head is not None:
@@ -400,13 +404,21 @@ class LlamaCppBackend:
                 self.placement, self.placement_off = None, str(exc)
 
     def remove_tokens(self, op: RemoveTokens) -> None:
-        if not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.start, op.end):
+        start, end = op.start, op.end
+        if self.positions is not None:
+            if end != -1 and self.positions.images(op.seq):
+                raise BackendError(f"cannot remove cells {start}..{end} from the middle of "
+                                   f"seq {op.seq}: its images take M-RoPE positions")
+            start = self.positions.cut(op.seq, start)
+        if not ll.llama_memory_seq_rm(self.model.mem, op.seq, start, end):
             # A partial removal the cache cannot do: drop the whole sequence instead;
             # the engine only asks for partial removals when rewinding is supported.
             raise BackendError(f"cannot remove positions {op.start}.. of seq {op.seq}")
 
     def copy_prefix(self, op: CopyPrefix) -> None:
-        ll.llama_memory_seq_cp(self.model.mem, op.src, op.dst, 0, op.length)
+        length = op.length if self.positions is None else \
+            self.positions.copy(op.src, op.dst, op.length)
+        ll.llama_memory_seq_cp(self.model.mem, op.src, op.dst, 0, length)
 
     def shift_positions(self, op: ShiftPositions) -> None:
         ll.llama_memory_seq_add(self.model.mem, op.seq, op.start, -1, op.delta)
@@ -416,18 +428,35 @@ class LlamaCppBackend:
         size = int(ll.llama_state_seq_get_size(ctx, op.seq))
         buffer = (ctypes.c_uint8 * size)()
         written = int(ll.llama_state_seq_get_data(ctx, buffer, size, op.seq))
-        return Saved(op.seq, ctypes.string_at(buffer, written) if written else None)
+        if not written:
+            return Saved(op.seq, None)
+        state = ctypes.string_at(buffer, written)
+        if self.positions is not None:  # (its images' positions go with its cells)
+            state = self.positions.saved_with(op.seq, state)
+        return Saved(op.seq, state)
 
     def restore_sequence(self, op: RestoreSequence) -> Restored:
-        ctx, data = self.model.ctx, op.data
-        loaded = ll.llama_state_seq_set_data(ctx, _no_copy(data), len(data), op.seq)
-        if loaded and op.checkpoint:
-            loaded = self.model.load_recurrent_state(op.seq, _no_copy(op.checkpoint),
-                                                     len(op.checkpoint))
-        if not loaded or not ll.llama_memory_seq_rm(self.model.mem, op.seq, op.keep, -1):
-            ll.llama_memory_seq_rm(self.model.mem, op.seq, -1, -1)  # (whatever it loaded)
+        ctx, data, keep = self.model.ctx, op.data, op.keep
+        try:
+            if self.positions is not None:
+                data = self.positions.restored_from(op.seq, data)
+            loaded = ll.llama_state_seq_set_data(ctx, _no_copy(data), len(data), op.seq)
+            if loaded and op.checkpoint:
+                loaded = self.model.load_recurrent_state(op.seq, _no_copy(op.checkpoint),
+                                                         len(op.checkpoint))
+            if loaded and self.positions is not None:
+                keep = self.positions.cut(op.seq, keep)
+        except BackendError:
+            loaded = False
+        if not loaded or not ll.llama_memory_seq_rm(self.model.mem, op.seq, keep, -1):
+            self._empty(op.seq)  # (whatever it loaded)
             return Restored(op.seq, ok=False)
         return Restored(op.seq, ok=True)
+
+    def _empty(self, seq: int) -> None:
+        ll.llama_memory_seq_rm(self.model.mem, seq, -1, -1)
+        if self.positions is not None:
+            self.positions.forget(seq)
 
     def save_checkpoint(self, op: SaveCheckpoint) -> Checkpointed:
         buffer, written = self.model.save_recurrent_state(op.seq)
@@ -436,10 +465,15 @@ class LlamaCppBackend:
     def restore_checkpoint(self, op: RestoreCheckpoint) -> Restored:
         """Recurrent state first: with it back at `keep`, llama.cpp's hybrid memory can cut
         the attention KV there (it refuses a cut inside the recurrent state's past)."""
-        data, mem = op.data, self.model.mem
+        data, mem, keep = op.data, self.model.mem, op.keep
         loaded = self.model.load_recurrent_state(op.seq, _no_copy(data), len(data))
-        if not loaded or not ll.llama_memory_seq_rm(mem, op.seq, op.keep, -1):
-            ll.llama_memory_seq_rm(mem, op.seq, -1, -1)  # (whatever it loaded)
+        try:
+            if loaded and self.positions is not None:
+                keep = self.positions.cut(op.seq, keep)
+        except BackendError:
+            loaded = False
+        if not loaded or not ll.llama_memory_seq_rm(mem, op.seq, keep, -1):
+            self._empty(op.seq)  # (whatever it loaded)
             return Restored(op.seq, ok=False)
         return Restored(op.seq, ok=True)
 

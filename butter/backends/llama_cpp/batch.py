@@ -22,6 +22,7 @@ from butter.backends.base import (
 )
 from butter.backends.llama_cpp.drafter import DraftModel
 from butter.backends.llama_cpp.loading import MIN_PROMPT_ROWS, LlamaModel
+from butter.backends.llama_cpp.positions import PlacedImage, SequencePositions
 from butter.backends.llama_cpp.sampling import Samplers
 from butter.backends.llama_cpp.vision import Projector
 from butter.backends.lmhead import Verdict
@@ -155,10 +156,13 @@ class Stepper:
 
     def __init__(self, model: LlamaModel, samplers: Samplers, layouts: LayoutTimer, *,
                  separate_prompts: bool = True, pad_one_row: bool = False,
-                 drafter: DraftModel | None = None, projector: Projector | None = None
-                 ) -> None:
+                 drafter: DraftModel | None = None, projector: Projector | None = None,
+                 positions: SequencePositions | None = None) -> None:
         self._model = model
         self.projector = projector  # the vision projector, if one is loaded
+        # Where images take M-RoPE positions: each sequence's cells' positions (None: a
+        # cell's position is its index)
+        self.positions = positions
         self._samplers = samplers
         self.layouts = layouts
         # Decode rows and a long prompt chunk in separate evaluations (SEPARATE_PROMPT_ROWS)
@@ -306,6 +310,14 @@ class Stepper:
         rows = np.ascontiguousarray(embd[offset:offset + len(tokens)], dtype=np.float32)
         n_rows = len(rows)
         padding = max(0, MIN_PROMPT_ROWS - n_rows)
+        sections = None
+        if image.grid is not None:
+            if self.positions is None:
+                raise BackendError("an image with M-RoPE positions, and no positions kept")
+            p0 = self.positions.position(seq, image.start)
+            self.positions.place(seq, PlacedImage(image.start, image.n_tokens,
+                                                  image.grid.n_pos))
+            sections = image.grid.sections(p0, offset, n_rows)
         batch = projector.batch
         address = ctypes.cast(batch.embd, ctypes.c_void_p).value
         assert address is not None
@@ -314,7 +326,12 @@ class Stepper:
             ctypes.memset(address + rows.nbytes, 0, padding * rows.shape[1] * rows.itemsize)
         for row in range(n_rows + padding):
             ours = row < n_rows
-            batch.pos[row] = start + row if ours else row - n_rows
+            if sections is None:
+                batch.pos[row] = start + row if ours else row - n_rows
+            else:  # (section-major: llama_decode reads section s of row r at s x rows + r)
+                for section, values in enumerate(sections):
+                    batch.pos[section * (n_rows + padding) + row] = (
+                        values[row] if ours else row - n_rows)
             batch.n_seq_id[row] = 1
             batch.seq_id[row][0] = seq if ours else model.pad_seq
             batch.logits[row] = sample and row == n_rows - 1
@@ -344,12 +361,14 @@ class Stepper:
         model = self._model
         kept_tokens = draft.kept_tokens(kept)
         if not self.checkpoints_drafts:
-            ll.llama_memory_seq_rm(model.mem, draft.seq, draft.start + len(kept_tokens), -1)
+            ll.llama_memory_seq_rm(model.mem, draft.seq,
+                                   self.position(draft.seq, draft.start + len(kept_tokens)), -1)
             return []
         buffer, size = self._checkpoints[draft.seq]
         # The recurrent state first: with it back before the cut, the cut is allowed.
         if not (size and model.load_recurrent_state(draft.seq, buffer, size)
-                and ll.llama_memory_seq_rm(model.mem, draft.seq, draft.start, -1)):
+                and ll.llama_memory_seq_rm(model.mem, draft.seq,
+                                           self.position(draft.seq, draft.start), -1)):
             raise BackendError(f"seq {draft.seq} could not be taken back to position "
                                f"{draft.start} after its draft was rejected")
         return [SeqWork(draft.seq, kept_tokens, draft.start, sample=False)]
@@ -404,8 +423,12 @@ class Stepper:
         """Forget what the last llama_decode of these works wrote into the cache."""
         model = self._model
         for work in works:
-            ll.llama_memory_seq_rm(model.mem, work.seq, work.start, -1)
+            ll.llama_memory_seq_rm(model.mem, work.seq, self.position(work.seq, work.start), -1)
         ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)
+
+    def position(self, seq: int, index: int) -> int:
+        """llama.cpp's position of `seq`'s cell at `index` (SequencePositions)."""
+        return index if self.positions is None else self.positions.position(seq, index)
 
     def _fill_batch(
         self, works: list[SeqWork], *, outputs: int = 0,
@@ -444,9 +467,11 @@ class Stepper:
             last = len(work.tokens) - 1
             first_sampled = last - work.drafted
             verifying: list[tuple[int, int]] = []
+            # (text: its positions follow each other from its first's)
+            start = self.position(work.seq, work.start)
             for offset, tok in enumerate(work.tokens):
                 token[row] = tok
-                pos[row] = work.start + offset
+                pos[row] = start + offset
                 n_seq_id[row] = 1
                 seq_id[row][0] = work.seq
                 wants = work.sample and offset >= first_sampled

@@ -8,8 +8,10 @@ research behind it, and llama-server's way, are in docs/design/images-plan.md.
 
 Loaded after the text model, on the backend's thread (its encoder runs llama.cpp's CPU
 threads there, as the steps do), and freed before it (libmtmd keeps the text model's
-pointer). butter evaluates projectors whose images take one position per embedding and are
-decoded with the causal mask, as text is; the others are refused at load (Projector.refusal).
+pointer). butter evaluates projectors whose images are decoded with the causal mask, as text
+is: with one position per embedding, or with M-RoPE's four (Qwen-VL and Qwen3.5 text
+models: the image's grid of positions, ImageGrid; positions.py maps cells to them). The
+others are refused at load (Projector.refusal).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import llama_cpp as ll
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 
-from butter.backends.base import BackendError, PromptImage, image_token_ids
+from butter.backends.base import BackendError, ImageGrid, PromptImage, image_token_ids
 from butter.backends.gguf_tensors import GgufFormatError, read_header
 from butter.chat.images import DecodedImage
 from butter.errors import ModelLoadError
@@ -45,6 +47,7 @@ _LOG_ERROR, _LOG_CONT = 4, 5
 # The GGUF keys that name a projector's type (a file with vision and audio names each).
 _TYPE_KEYS = ("clip.vision.projector_type", "clip.projector_type")
 _ARCHITECTURE = "general.architecture"  # "clip" for every projector llama.cpp writes
+M_ROPE_SECTIONS = 4  # positions an M-RoPE model's embedding takes (GGML_MROPE_SECTIONS)
 
 
 class _Log:
@@ -151,7 +154,11 @@ class Projector:
                 kind = f" ({self.type})" if self.type else ""
                 raise ModelLoadError(f"the projector {path}{kind} is not supported yet: {refusal}")
             self.n_embd = int(ll.llama_model_n_embd_inp(model))
-            self.batch = ll.llama_batch_init(n_batch, self.n_embd, 1)
+            # An M-RoPE model's embedding rows take 4 positions each (section-major in the
+            # batch's positions, as llama_decode reads an embedding batch of such a model)
+            self.m_rope = bool(mtmd.mtmd_decode_use_mrope(ctx))
+            rows = n_batch * M_ROPE_SECTIONS if self.m_rope else n_batch
+            self.batch = ll.llama_batch_init(rows, self.n_embd, 1)
         except BaseException:
             self.free()
             raise
@@ -161,10 +168,6 @@ class Projector:
         ctx = self.ctx
         if not mtmd.mtmd_support_vision(ctx):
             return "it has no vision encoder (an audio projector), and butter takes images only"
-        if mtmd.mtmd_decode_use_mrope(ctx):
-            return ("the model gives an image's embeddings M-RoPE positions (Qwen2-VL, "
-                    "Qwen2.5-VL, Qwen3-VL, Qwen3.5): fewer positions than cells, which "
-                    "butter's sequences do not keep yet")
         if mtmd.mtmd_decode_use_non_causal(ctx, None):
             return ("its images are decoded with a non-causal mask (Gemma 3 and its kind), "
                     "each alone in one micro-batch, which butter's steps do not do yet")
@@ -225,10 +228,11 @@ class Projector:
                         "of one image (slices or tiles): not supported yet")
                 n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
                 n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
-                if n_pos != n_tokens:
+                grid = _grid(chunk, n_tokens, n_pos) if self.m_rope else None
+                if grid is None and n_pos != n_tokens:
                     raise BackendError(f"an image of {n_tokens} embeddings takes {n_pos} "
-                                       "positions: butter gives each embedding its own")
-                placed.append(PromptImage(len(ids), n_tokens, image))
+                                       "positions, and the model has no M-RoPE")
+                placed.append(PromptImage(len(ids), n_tokens, image, grid))
                 ids += image_token_ids(image.key, n_tokens)
                 kept.append((image.key, mtmd.mtmd_input_chunk_copy(chunk)))
             if len(placed) != len(images):
@@ -327,6 +331,28 @@ class Projector:
         if self.ctx is not None:
             mtmd.mtmd_free(self.ctx)
             self.ctx = None
+
+
+def _grid(chunk: Any, n_tokens: int, n_pos: int) -> ImageGrid:
+    """An image chunk's M-RoPE positions, from libmtmd's own (each section either moves
+    with the image's first position or not: asked at two first positions)."""
+    tokens = mtmd.mtmd_input_chunk_get_tokens_image(chunk)
+    if not tokens:
+        raise BackendError("libmtmd gave an image chunk without its image tokens")
+    at_0 = [mtmd.mtmd_image_tokens_get_decoder_pos(tokens, 0, i) for i in range(n_tokens)]
+    at_1 = [mtmd.mtmd_image_tokens_get_decoder_pos(tokens, 1, i) for i in range(n_tokens)]
+    offsets, moves = [], []
+    # (the batch's sections: time, height, width, unused; mtmd-helper's set_position_mrope_2d)
+    for field in ("t", "y", "x", "z"):
+        zero = tuple(int(getattr(p, field)) for p in at_0)
+        one = tuple(int(getattr(p, field)) for p in at_1)
+        shifted = [b - a for a, b in zip(zero, one, strict=True)]
+        if set(shifted) - {0, 1} or len(set(shifted)) > 1:
+            raise BackendError(f"libmtmd's M-RoPE {field} positions do not move with the "
+                               "image's first position")
+        offsets.append(zero)
+        moves.append(shifted[0] == 1)
+    return ImageGrid(tuple(offsets), tuple(moves), n_pos)
 
 
 def _bitmap(image: DecodedImage) -> Any:
