@@ -37,7 +37,9 @@ from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.llama_cpp.positions import PlacedImage, SequencePositions
 from butter.engine.prefix_cache import image_edge
 from butter.sampling import SamplingParams
+from butter.chat.images import DecodedImage
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
+from butter.testing.tiny_mmproj import qwen_vl_grid
 from tests.test_vision_backend import (
     GREEDY_STEPS,
     N_BATCH,
@@ -122,34 +124,59 @@ def tiny_qwen3vl_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                  m_rope=True)
 
 
+# Two projectors: LLaVA's (16 embeddings in one row: 16 positions, all sharing the time
+# one) and Qwen3-VL's (a 64x48 picture: 4 columns x 3 rows, 12 embeddings at 4 positions)
+PROJECTORS = ("llava", "qwen-vl")
+WIDTH, HEIGHT = 64, 48
+
+
+@pytest.fixture(scope="module", params=PROJECTORS)
+def projector(request: pytest.FixtureRequest, tiny_mmproj_gguf: Path,
+              tiny_qwen_vl_mmproj_gguf: Path) -> tuple[str, Path]:
+    kind = str(request.param)
+    return kind, tiny_mmproj_gguf if kind == "llava" else tiny_qwen_vl_mmproj_gguf
+
+
 @pytest.fixture(scope="module")
-def backend(tiny_qwen3vl_gguf: Path, tiny_mmproj_gguf: Path) -> Iterator[LlamaCppBackend]:
+def backend(tiny_qwen3vl_gguf: Path, projector: tuple[str, Path]
+            ) -> Iterator[LlamaCppBackend]:
     loaded = LlamaCppBackend(tiny_qwen3vl_gguf, n_cells=256, n_seq=3, n_batch=N_BATCH,
-                             threads=2, fast_lm_head=False, mmproj=tiny_mmproj_gguf)
+                             threads=2, fast_lm_head=False, mmproj=projector[1])
     yield loaded
     loaded.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_qwen3vl_gguf: Path, tiny_mmproj_gguf: Path) -> Iterator[Reference]:
-    ref = Reference(tiny_qwen3vl_gguf, tiny_mmproj_gguf)
+def reference(tiny_qwen3vl_gguf: Path, projector: tuple[str, Path]) -> Iterator[Reference]:
+    ref = Reference(tiny_qwen3vl_gguf, projector[1])
     yield ref
     ref.close()
 
 
-def test_a_qwen_vl_models_image_takes_libmtmds_grid_of_positions(
-        backend: LlamaCppBackend) -> None:
-    """With LLaVA's projector the grid is one row (16 wide): the time section stays at the
-    image's first position, the width section moves along it."""
-    _, images = _prompt(backend, _image(1))
-    grid = images[0].grid
-    assert grid is not None and grid.n_pos == 16
-    assert grid.sections(7, 0, 16) == [[7] * 16, [7] * 16, list(range(7, 23)), [0] * 16]
+def picture(seed: int) -> DecodedImage:
+    return _image(seed, WIDTH, HEIGHT)
+
+
+def test_an_image_takes_libmtmds_grid_of_positions(backend: LlamaCppBackend,
+                                                  projector: tuple[str, Path]) -> None:
+    """The time section stays at the image's first position; height and width move along
+    its rows and columns."""
+    ids, images = _prompt(backend, picture(1))
+    image, grid = images[0], images[0].grid
+    assert grid is not None
+    columns, rows = (16, 1) if projector[0] == "llava" else qwen_vl_grid(WIDTH, HEIGHT)
+    assert (image.n_tokens, grid.n_pos) == (columns * rows, max(columns, rows))
+    p0 = image.start
+    assert grid.sections(p0, 0, image.n_tokens) == [
+        [p0] * image.n_tokens,
+        [p0 + i // columns for i in range(image.n_tokens)],
+        [p0 + i % columns for i in range(image.n_tokens)],
+        [0] * image.n_tokens]
 
 
 def test_an_image_with_m_rope_positions_evaluates_as_libmtmds_helper_does(
         backend: LlamaCppBackend, reference: Reference) -> None:
-    image = _image(6)
+    image = picture(6)
     ids, images = _prompt(backend, image)
     tokens, logits = _generate(backend, ids, images)
     expected_tokens, expected_logits = reference.generate(image)
@@ -161,22 +188,21 @@ def test_the_model_reads_the_grid_not_positions_as_text_takes_them(
         backend: LlamaCppBackend, reference: Reference) -> None:
     """The same embeddings at one position each (as text takes them) give other logits:
     the positions above are what the model sees."""
-    image = _image(6)
+    image = picture(6)
     ids, images = _prompt(backend, image)
-    grid = images[0].grid
-    assert grid is not None
-    flat = ImageGrid(tuple(tuple(range(16)) for _ in range(4)), (True,) * 4, n_pos=16)
-    as_text = [PromptImage(images[0].start, 16, image, flat)]
+    n = images[0].n_tokens
+    flat = ImageGrid(tuple(tuple(range(n)) for _ in range(4)), (True,) * 4, n_pos=n)
+    as_text = [PromptImage(images[0].start, n, image, flat)]
     _, logits = _generate(backend, ids, as_text)
     _, expected = reference.generate(image)
     assert np.abs(logits[0] - expected[0]).max() > 1e-3
 
 
-@pytest.mark.parametrize("cuts", [(12,), (7,), (23,), (3, 10, 20)])
+@pytest.mark.parametrize("cuts", [(12,), (7,), (23,), (3, 10, 20), (20, 26)])
 def test_any_cut_of_the_prompt_gives_the_same_bits(backend: LlamaCppBackend,
                                                    cuts: tuple[int, ...]) -> None:
     """Prompt chunks may end inside the image: its cells are written in two runs."""
-    ids, images = _prompt(backend, _image(8))
+    ids, images = _prompt(backend, picture(8))
     whole = _generate(backend, ids, images)
     cut = _generate(backend, ids, images, cuts)
     assert cut[0] == whole[0] and _same(cut[1], whole[1])
@@ -199,7 +225,7 @@ def _continue(backend: LlamaCppBackend, seq: int, ids: list[int], images: list[P
 
 def test_a_cache_cut_at_the_image_copied_or_restored_continues_as_the_whole_prompt(
         backend: LlamaCppBackend) -> None:
-    ids, images = _prompt(backend, _image(9))
+    ids, images = _prompt(backend, picture(9))
     image = images[0]
     expected, _ = _generate(backend, ids, images)  # (seq 0 holds the prompt and 5 tokens)
     with pytest.raises(BackendError, match="inside an image"):
