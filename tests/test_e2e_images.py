@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from butter.testing.tiny_mmproj import qwen_vl_grid
 from tests.conftest import ServerProcess
 
 Image = pytest.importorskip("PIL.Image")
@@ -162,5 +163,44 @@ def test_a_hybrid_model_returns_to_an_image_conversation_from_a_checkpoint(
         assert cached >= prompt - 4  # (the checkpoint 4 tokens before the end, or later)
         info = httpx.get(f"{process.api}/server", timeout=10).json()
         assert info["prefix_cache"]["checkpoints"]["restored"] >= 1
+    finally:
+        process.stop()
+
+
+def test_a_qwen35_model_sees_images_at_m_rope_positions_and_returns_from_a_checkpoint(
+    tiny_qwen35_gguf: Path, tiny_qwen_vl_mmproj_gguf: Path
+) -> None:
+    """Qwen3.5's kind: a hybrid whose images take M-RoPE positions (a grid of columns x
+    rows embeddings at max(columns, rows) positions), with Qwen3-VL's projector. The image
+    is counted; a returning turn is served from a checkpoint past it; another picture of
+    the same size stops the cache before it, the same picture in another file does not."""
+    process = ServerProcess(["--model", str(tiny_qwen35_gguf),
+                             "--mmproj", str(tiny_qwen_vl_mmproj_gguf), "--alias", MODEL,
+                             "--parallel", "1", "--max-context", "2048", "--cache-ram", "64"])
+    try:
+        client = openai.OpenAI(base_url=process.api, api_key="unused")
+        question = "What colour is this picture? " + "Look closely. " * 20
+        _, text_prompt, _ = openai_turn(client, [{"role": "user", "content": question}])
+        columns, rows = qwen_vl_grid(24, 24)
+        first = [with_image(question, png((200, 20, 20)))]
+        answer, prompt, _ = openai_turn(client, first)
+        assert prompt > text_prompt + columns * rows  # (the image, and libmtmd's text around it)
+        returning = [*first, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And its shape?"}]
+        _, returning_prompt, cached = openai_turn(client, returning)
+        assert returning_prompt > prompt and cached >= prompt - 4
+        info = httpx.get(f"{process.api}/server", timeout=10).json()
+        assert info["prefix_cache"]["checkpoints"]["restored"] >= 1
+        _, blue_prompt, blue_cached = openai_turn(
+            client, [with_image(question, png((20, 20, 200)))])
+        assert blue_prompt == prompt and blue_cached < prompt - columns * rows
+        out = io.BytesIO()
+        Image.new("RGB", (24, 24), (200, 20, 20)).save(out, format="BMP")
+        bmp = {"role": "user", "content": [
+            {"type": "text", "text": question},
+            {"type": "image_url", "image_url": {
+                "url": "data:image/bmp;base64," + base64.b64encode(out.getvalue()).decode()}}]}
+        _, _, bmp_cached = openai_turn(client, [bmp])
+        assert bmp_cached >= blue_cached + columns * rows  # (through the red image)
     finally:
         process.stop()

@@ -35,9 +35,9 @@ from butter.backends.base import (
 )
 from butter.backends.llama_cpp import LlamaCppBackend
 from butter.backends.llama_cpp.positions import PlacedImage, SequencePositions
+from butter.chat.images import DecodedImage
 from butter.engine.prefix_cache import image_edge
 from butter.sampling import SamplingParams
-from butter.chat.images import DecodedImage
 from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 from butter.testing.tiny_mmproj import qwen_vl_grid
 from tests.test_vision_backend import (
@@ -161,7 +161,7 @@ def test_an_image_takes_libmtmds_grid_of_positions(backend: LlamaCppBackend,
                                                   projector: tuple[str, Path]) -> None:
     """The time section stays at the image's first position; height and width move along
     its rows and columns."""
-    ids, images = _prompt(backend, picture(1))
+    _, images = _prompt(backend, picture(1))
     image, grid = images[0], images[0].grid
     assert grid is not None
     columns, rows = (16, 1) if projector[0] == "llava" else qwen_vl_grid(WIDTH, HEIGHT)
