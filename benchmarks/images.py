@@ -56,6 +56,17 @@ DEMO_WIDTH = 640  # Gemma 3 270M's n_embd: the projector's output width
 QUESTION = "What is in this picture? Describe its colours and shapes. "
 
 
+def model_width(path: Path) -> int:
+    """The model's hidden size (the projector's output width), from its GGUF header."""
+    from butter.backends.gguf_tensors import read_header
+
+    architecture = read_header(path, keys=("general.architecture",)).metadata[
+        "general.architecture"]
+    key = f"{architecture}.embedding_length"
+    width = read_header(path, keys=(key,)).metadata.get(key)
+    return int(width) if isinstance(width, int) else DEMO_WIDTH
+
+
 def picture(seed: int, size: tuple[int, int] = (64, 48)) -> str:
     from PIL import Image
 
@@ -165,16 +176,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--question-repeats", type=int, default=8,
                         help="the question's sentence this many times (a longer first turn)")
+    parser.add_argument("--projector", choices=["llava", "qwen-vl"], default="llava",
+                        help="the random projector's kind: LLaVA's `mlp` (16 positions an "
+                        "image), or Qwen3-VL's `qwen3vl_merger` (Qwen3.5's: a grid of "
+                        "embeddings, M-RoPE positions on a Qwen-VL or Qwen3.5 model)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-images"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.model_path = args.model_path or resolve_model(sys.executable)
-    from butter.testing.tiny_mmproj import write_tiny_mmproj_gguf
+    from butter.testing.tiny_mmproj import (
+        write_tiny_mmproj_gguf,
+        write_tiny_qwen_vl_mmproj_gguf,
+    )
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    projector = write_tiny_mmproj_gguf(Path(tempfile.mkdtemp()) / "mmproj-demo.gguf",
-                                       n_embd_text=DEMO_WIDTH)
+    write = write_tiny_mmproj_gguf if args.projector == "llava" else \
+        write_tiny_qwen_vl_mmproj_gguf
+    projector = write(Path(tempfile.mkdtemp()) / f"mmproj-{args.projector}.gguf",
+                      n_embd_text=model_width(Path(args.model_path)))
     names = [args.only] if args.only else ["butter", "llama-server"]
     results = {name: summary(run_server(name, args, projector, args.log_dir))
                for name in names}
