@@ -67,6 +67,14 @@ def tiny_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3vl_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 as a Qwen3-VL text model: M-RoPE positions, so its images take a
+    grid of positions (tiny_gguf.py, m_rope)."""
+    return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("qwen3vl") / "tiny-qwen3vl.gguf",
+                                 m_rope=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen_vl_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight Qwen3-VL vision tower ("qwen3vl_merger", Qwen3.5's kind) for the tiny
     M-RoPE models: an image of qwen_vl_grid() columns x rows embeddings takes

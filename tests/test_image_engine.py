@@ -1,6 +1,6 @@
 """Images in the engine (#55): a prompt with an image prefilled over several steps, and a
 request cancelled while its image is evaluated, on the real engine with the tiny Qwen3
-and the tiny projector."""
+and the tiny projector, and with the tiny Qwen3-VL, whose images take M-RoPE positions."""
 
 from __future__ import annotations
 
@@ -19,13 +19,19 @@ from butter.sampling import SamplingParams
 from butter.settings import ServeSettings
 from tests.backend_steps import forget_everything
 
-CHUNK = 8  # (an image of 16 positions spans three prompt chunks)
+CHUNK = 8  # (an image of 16 positions spans three prompt chunks; of 9, two)
 
 
-@pytest.fixture(scope="module")
-def resident(tiny_gguf: Path, tiny_mmproj_gguf: Path) -> Iterator[ResidentModel]:
+@pytest.fixture(scope="module", params=["qwen3-llava", "qwen3vl-qwen-vl"])
+def resident(request: pytest.FixtureRequest, tiny_gguf: Path, tiny_mmproj_gguf: Path,
+             tiny_qwen3vl_gguf: Path, tiny_qwen_vl_mmproj_gguf: Path
+             ) -> Iterator[ResidentModel]:
+    """The tiny Qwen3 with LLaVA's projector (16 positions an image), or the tiny Qwen3-VL
+    with Qwen3-VL's (a 32x32 picture: 9 embeddings at 3 M-RoPE positions)."""
+    model_path, projector = (tiny_gguf, tiny_mmproj_gguf) if request.param == "qwen3-llava" \
+        else (tiny_qwen3vl_gguf, tiny_qwen_vl_mmproj_gguf)
     model = ResidentModel.load_sync(ServeSettings(
-        model=str(tiny_gguf), mmproj=str(tiny_mmproj_gguf), parallel=2, max_context=512,
+        model=str(model_path), mmproj=str(projector), parallel=2, max_context=512,
         prefill_chunk=CHUNK, threads=2))
     yield model
     model.close()

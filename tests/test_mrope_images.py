@@ -38,7 +38,6 @@ from butter.backends.llama_cpp.positions import PlacedImage, SequencePositions
 from butter.chat.images import DecodedImage
 from butter.engine.prefix_cache import image_edge
 from butter.sampling import SamplingParams
-from butter.testing.tiny_gguf import write_tiny_qwen3_gguf
 from butter.testing.tiny_mmproj import qwen_vl_grid
 from tests.test_vision_backend import (
     GREEDY_STEPS,
@@ -116,12 +115,6 @@ def test_the_engine_cuts_a_prompt_only_at_an_images_edge() -> None:
 
 
 # --- on llama.cpp and libmtmd ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_qwen3vl_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("qwen3vl") / "tiny-qwen3vl.gguf",
-                                 m_rope=True)
 
 
 # Two projectors: LLaVA's (16 embeddings in one row: 16 positions, all sharing the time
