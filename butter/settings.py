@@ -236,10 +236,10 @@ class ServeSettings:
     mmproj: str | None = flag(
         None, metavar="PATH", group=MODEL,
         help="a vision projector GGUF (llama-server's --mmproj) for --model: its prompts may "
-             "then hold images (Qwen-VL and Qwen3.5 vision towers included). One that does "
-             "not fit the model, or that butter cannot evaluate yet (non-causal ones such as "
-             "Gemma 3's, audio-only ones), stops the server with the reason; loaded and released with --model, not with a model a request "
-             "swaps in; llama.cpp only (default: none)")
+             "then hold images (LLaVA-style, Qwen-VL, Qwen3.5 and Gemma 3 vision towers). "
+             "One that does not fit the model, or that butter cannot evaluate (audio-only), "
+             "stops the server with the reason; loaded and released with --model, not with "
+             "a model a request swaps in; llama.cpp only (default: none)")
     mmproj_auto: bool = flag(
         True, action=ON_OFF, group=MODEL,
         help="a GGUF model from the local HuggingFace cache loads the projector its snapshot "

@@ -18,7 +18,11 @@ import pytest
 
 from butter.testing.tiny_gguf import write_tiny_mamba_gguf, write_tiny_qwen3_gguf
 from butter.testing.tiny_hybrid import write_tiny_lfm2_gguf, write_tiny_qwen35_gguf
-from butter.testing.tiny_mmproj import write_tiny_mmproj_gguf, write_tiny_qwen_vl_mmproj_gguf
+from butter.testing.tiny_mmproj import (
+    write_tiny_gemma3_mmproj_gguf,
+    write_tiny_mmproj_gguf,
+    write_tiny_qwen_vl_mmproj_gguf,
+)
 
 # mlx's CPU JIT would otherwise compile with g++ into /tmp on first use (seconds).
 os.environ.setdefault("MLX_DISABLE_COMPILE", "1")
@@ -64,6 +68,14 @@ def tiny_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random-weight vision projector (LLaVA-1.5's "mlp") for the tiny Qwen3: libmtmd
     makes 16 embeddings of any image with it (butter/testing/tiny_mmproj.py)."""
     return write_tiny_mmproj_gguf(tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Gemma 3 vision tower ("gemma3") for the tiny Qwen3: 16 embeddings an
+    image, which libmtmd decodes with a non-causal mask (they see each other whole)."""
+    return write_tiny_gemma3_mmproj_gguf(tmp_path_factory.mktemp("gemma3-mmproj")
+                                         / "tiny-gemma3-mmproj.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,11 @@ import httpx
 import openai
 import pytest
 
-from butter.testing.tiny_mmproj import qwen_vl_grid
+from butter.testing.tiny_mmproj import (
+    gemma3_image_tokens,
+    qwen_vl_grid,
+    write_tiny_gemma3_mmproj_gguf,
+)
 from tests.conftest import ServerProcess
 
 Image = pytest.importorskip("PIL.Image")
@@ -202,5 +206,32 @@ def test_a_qwen35_model_sees_images_at_m_rope_positions_and_returns_from_a_check
                 "url": "data:image/bmp;base64," + base64.b64encode(out.getvalue()).decode()}}]}
         _, _, bmp_cached = openai_turn(client, [bmp])
         assert bmp_cached >= blue_cached + columns * rows  # (through the red image)
+    finally:
+        process.stop()
+
+
+def test_gemma3_sees_images_whole_and_caches_them(demo_gguf: Path, tmp_path: Path) -> None:
+    """The demo Gemma 3 with a Gemma 3 vision tower (random weights, 640 wide): its images'
+    embeddings see each other, so each is evaluated whole, in a chunk of its own even past
+    --prefill-chunk. Counted, served from the cache on the returning turn, told apart."""
+    projector = write_tiny_gemma3_mmproj_gguf(tmp_path / "gemma3-mmproj.gguf", n_embd_text=640)
+    process = ServerProcess(["--model", str(demo_gguf), "--mmproj", str(projector),
+                             "--alias", MODEL, "--parallel", "1", "--max-context", "1024",
+                             "--prefill-chunk", "12"])
+    try:
+        client = openai.OpenAI(base_url=process.api, api_key="unused")
+        question = "What colour is this picture? Look closely."
+        _, text_prompt, _ = openai_turn(client, [{"role": "user", "content": question}])
+        first = [with_image(question, png((200, 20, 20)))]
+        answer, prompt, _ = openai_turn(client, first)
+        # (the image's embeddings, and libmtmd's <start_of_image> and <end_of_image>)
+        assert prompt == text_prompt + gemma3_image_tokens() + 2
+        returning = [*first, {"role": "assistant", "content": answer},
+                     {"role": "user", "content": "And its shape?"}]
+        _, _, cached = openai_turn(client, returning)
+        assert cached >= prompt - 1
+        _, blue_prompt, blue_cached = openai_turn(
+            client, [with_image(question, png((20, 20, 200)))])
+        assert blue_prompt == prompt and blue_cached < prompt - gemma3_image_tokens()
     finally:
         process.stop()

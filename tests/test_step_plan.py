@@ -6,7 +6,8 @@ import attrs
 from hypothesis import given
 from hypothesis import strategies as st
 
-from butter.backends.base import SeqWork
+from butter.backends.base import PromptImage, SeqWork
+from butter.chat.images import DecodedImage
 from butter.engine.step_plan import PendingWork, PrefillBudget, plan_step
 
 
@@ -171,9 +172,6 @@ def test_tiled_chunks_fit_the_budget_and_someone_always_progresses(
 
 
 def test_a_chunk_carries_the_images_its_positions_include() -> None:
-    from butter.backends.base import PromptImage
-    from butter.chat.images import DecodedImage
-
     def image(start: int) -> PromptImage:
         return PromptImage(start=start, n_tokens=16, image=DecodedImage(
             key=f"{start:064x}", width=1, height=1, rgb=b"\0\0\0"))
@@ -191,3 +189,46 @@ def test_a_chunk_stops_at_the_next_checkpoint() -> None:
     assert len(work.tokens) == 37 and not work.sample
     (whole,) = plan_step([attrs.evolve(_prefill(0, 30), stop=37)], 256)
     assert len(whole.tokens) == 30 and whole.sample
+
+
+def _whole_image(start: int, n_tokens: int) -> PromptImage:
+    """An image evaluated whole (its embeddings see each other, as Gemma 3's)."""
+    return PromptImage(start=start, n_tokens=n_tokens, causal=False, image=DecodedImage(
+        key=f"{start:064x}", width=1, height=1, rgb=b"\0\0\0"))
+
+
+def test_a_chunk_stops_before_an_image_evaluated_whole_and_the_next_holds_all_of_it() -> None:
+    image = _whole_image(40, 100)
+    pending = attrs.evolve(_prefill(0, 300), images=(image,))
+    (first,) = plan_step([pending], 64)
+    assert len(first.tokens) == 40 and first.images == ()
+    (second,) = plan_step([attrs.evolve(pending, start=40, pending=pending.pending[40:])], 64)
+    assert len(second.tokens) == 100 and second.images == (image,)  # (past the budget)
+
+
+def test_an_image_evaluated_whole_goes_alone_where_it_does_not_fit_beside_another() -> None:
+    a = attrs.evolve(_prefill(0, 300), images=(_whole_image(0, 200),))
+    b = attrs.evolve(_prefill(1, 300), images=(_whole_image(0, 200),))
+    c = _prefill(2, 300)
+    works = plan_step([a, b, c], 256)
+    sizes = {w.seq: len(w.tokens) for w in works}
+    assert sizes == {0: 200, 2: 56}  # (b waits a step; c takes what the budget leaves)
+
+
+@given(st.lists(st.tuples(st.integers(1, 400), st.integers(0, 300), st.integers(1, 256)),
+                min_size=1, max_size=4),
+       st.integers(1, 512))
+def test_no_chunk_ends_inside_an_image_evaluated_whole(
+        prompts: list[tuple[int, int, int]], budget: int) -> None:
+    sessions = []
+    for seq, (length, at, n_tokens) in enumerate(prompts):
+        images = (_whole_image(at, n_tokens),) if at + n_tokens <= length else ()
+        sessions.append(attrs.evolve(_prefill(seq, length), images=images))
+    works = plan_step(sessions, budget)
+    assert works, "the step plans some work"
+    biggest = max([image.n_tokens for s in sessions for image in s.images] + [0])
+    assert sum(len(w.tokens) for w in works) <= max(budget, biggest)
+    for work in works:
+        end = work.start + len(work.tokens)
+        for image in sessions[work.seq].images:
+            assert not image.start < end < image.end

@@ -212,12 +212,14 @@ class PromptImage:
     projector's embeddings of the image rather than from tokens. The prompt holds
     image_token_ids(key, n_tokens) there, so that prefix matching tells images apart.
     `grid`: its M-RoPE positions, where the model gives it those (None: one position a
-    cell, as text)."""
+    cell, as text). Not `causal` (Gemma 3's): its embeddings see each other whole, so it is
+    evaluated in one piece, never split between prompt chunks or cut in a cache."""
 
     start: int
     n_tokens: int
     image: DecodedImage
     grid: ImageGrid | None = None
+    causal: bool = True
 
     @property
     def end(self) -> int:

@@ -107,6 +107,8 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
                        key=lambda i: sizes[i] == len(prefilling[i].pending))
         prefilling = [prefilling[i] for i in order]
         sizes = [sizes[i] for i in order]
+    if any(not image.causal for s in prefilling for image in s.images):
+        sizes = _whole_images(prefilling, sizes, prefill_budget)
     for s, size in zip(prefilling, sizes, strict=True):
         if size == 0:
             continue
@@ -121,6 +123,48 @@ def plan_step(sessions: Sequence[PendingWork], prefill_budget: int, tile: int = 
             )
         )
     return works
+
+
+def _image_cut(session: PendingWork, size: int, *, extend: bool) -> int:
+    """`size`, or, where the chunk would end inside an image that is evaluated whole (not
+    causal), the chunk up to that image's start; if that leaves nothing and `extend`, the
+    chunk up to the image's end."""
+    end = session.start + size
+    for image in session.images:
+        if not image.causal and image.start < end < image.end:
+            if image.start > session.start or not extend:
+                return max(0, image.start - session.start)
+            return min(image.end - session.start, len(session.pending))
+    return size
+
+
+def _whole_images(prefilling: Sequence[PendingWork], sizes: list[int], budget: int
+                  ) -> list[int]:
+    """The step's chunks cut so that none ends inside an image evaluated whole (Gemma 3's:
+    its embeddings see each other). A chunk that starts at such an image holds all of it,
+    even past the budget (one such chunk a step where it does not fit beside another: an
+    image is never more than a batch, Projector checks); the others give way."""
+    planned = sizes
+    sizes = [_image_cut(s, size, extend=False) if size else 0
+             for s, size in zip(prefilling, sizes, strict=True)]
+    whole = 0
+    for index, session in enumerate(prefilling):
+        if sizes[index] or not planned[index]:  # (a prompt given no share waits)
+            continue
+        size = _image_cut(session, 1, extend=True)  # (a chunk that starts at the image)
+        if size > 1 and (whole == 0 or whole + size <= budget):
+            sizes[index] = size
+            whole += size
+    over = sum(sizes) - max(budget, whole)
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        if over <= 0:
+            break
+        if _image_cut(prefilling[index], 1, extend=True) > 1 and sizes[index] > 1:
+            continue  # (a whole image)
+        smaller = _image_cut(prefilling[index], max(0, sizes[index] - over), extend=False)
+        over -= sizes[index] - smaller
+        sizes[index] = smaller
+    return sizes
 
 
 def _chunk_sizes(prefilling: Sequence[PendingWork], budget: int) -> list[int]:

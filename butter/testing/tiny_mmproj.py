@@ -23,6 +23,16 @@ generator: the same arguments give the same bytes.
 ``write_tiny_qwen_vl_mmproj_gguf`` writes a second kind, Qwen3-VL's (and Qwen3.5's) vision
 tower (``qwen3vl_merger``), for M-RoPE text models: it keeps an image's aspect, and gives it
 ``qwen_vl_grid()`` columns x rows of embeddings at max(columns, rows) text positions.
+
+``write_tiny_gemma3_mmproj_gguf`` writes a third kind, Gemma 3's (``gemma3``): a SigLIP tower
+whose patch grid is average-pooled (4 x 4 patches per embedding, as in Gemma 3) before an
+RMSNorm and one projection matrix. Like the LLaVA projector it resizes every image to one
+square, so an image of any size becomes ``gemma3_image_tokens()`` embeddings (16 with the
+defaults: 64 pixels, 4-pixel patches, 16 x 16 patches pooled to 4 x 4), one text position
+each; unlike it, libmtmd wraps them in ``<start_of_image>`` ... ``<end_of_image>`` text (one
+special token each in Gemma 3's vocabulary, spelled out byte by byte in the tiny Qwen3's) and
+has the text model decode them with a non-causal mask (mtmd_decode_use_non_causal is true for
+this projector type whatever the text model is), so it also loads next to the tiny Qwen3.
 """
 
 from __future__ import annotations
@@ -296,5 +306,133 @@ def write_tiny_qwen_vl_mmproj_gguf(
     rng = np.random.default_rng(seed)
     for tensor_name, tensor in _qwen_vl_tensors(rng, n_embd_text=n_embd_text,
                                                 patch_size=patch_size).items():
+        writer.add_tensor(tensor_name, tensor)
+    return finish_file(writer, partial, target)
+
+
+# --- a Gemma 3 projector (non-causal image decoding) --------------------------------------
+#
+# Gemma 3's vision tower, as libmtmd names it: ``gemma3`` (PROJECTOR_TYPE_GEMMA3, built by
+# tools/mtmd/models/siglip.cpp): a SigLIP transformer (patch convolution plus bias, learned
+# position embeddings, no pre-layernorm, GELU (tanh) MLPs, a post-layernorm), then Gemma 3's
+# multimodal projector: the patch grid average-pooled GEMMA3_POOL x GEMMA3_POOL
+# (ggml_pool_2d, kernel = stride = clip.vision.projector.scale_factor), an RMSNorm
+# (``mm.soft_emb_norm``) and one matrix (``mm.input_projection``) to the text model's width.
+# libmtmd resizes every image (bilinear, padded to a square) to image_size a side, so an image
+# of any size becomes the same (image_size // patch_size // pool)^2 embeddings, wrapped in
+# ``<start_of_image>`` / ``<end_of_image>`` text, which the text model decodes with a
+# non-causal mask (mtmd_decode_use_non_causal is true for this projector type, whatever the
+# text model).
+
+GEMMA3_PROJECTOR_TYPE: Final = "gemma3"
+GEMMA3_IMAGE_SIZE: Final = 64  # pixels a side, after mtmd's resize (Gemma 3's: 896)
+GEMMA3_PATCH_SIZE: Final = 4  # so 16 x 16 patches (Gemma 3's: 14 pixels, 64 x 64 patches)
+GEMMA3_POOL: Final = 4  # patches pooled per side, Gemma 3's own (4 x 4): 4 x 4 embeddings
+# Gemma 3's (SigLIP's) processor normalises to [-1, 1].
+GEMMA3_IMAGE_MEAN: Final = (0.5, 0.5, 0.5)
+GEMMA3_IMAGE_STD: Final = (0.5, 0.5, 0.5)
+
+
+def gemma3_image_tokens(*, image_size: int = GEMMA3_IMAGE_SIZE,
+                        patch_size: int = GEMMA3_PATCH_SIZE, pool: int = GEMMA3_POOL) -> int:
+    """How many embeddings (text positions) libmtmd makes of one image, of any size, with the
+    Gemma 3 projector: mtmd resizes it to image_size a side, cuts it into patch_size squares
+    and average-pools each pool x pool block of them into one embedding. 16 with the defaults
+    (Gemma 3's own: 896 // 14 // 4 = 16 a side, 256)."""
+    return (image_size // patch_size // pool) ** 2
+
+
+def _gemma3_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
+                    patch_size: int) -> dict[str, F32Array]:
+    """Every tensor of the Gemma 3 vision tower, named as libmtmd loads them; numpy shapes are
+    the GGUF's ne reversed ((out, in) for a matrix, except mm.input_projection: see below)."""
+    in_std = V_EMBD**-0.5
+    tensors: dict[str, F32Array] = {
+        # ggml_conv_2d's kernel: ne [patch, patch, 3, V_EMBD]
+        "v.patch_embd.weight": random_normal(rng, (V_EMBD, 3, patch_size, patch_size),
+                                             (3 * patch_size * patch_size) ** -0.5),
+        "v.patch_embd.bias": random_normal(rng, (V_EMBD,), 0.1),
+        # one per patch: siglip.cpp adds them as they are (no interpolation for gemma3)
+        "v.position_embd.weight": random_normal(rng, (n_pos, V_EMBD), 0.5),
+    }
+    for layer in range(V_LAYER):
+        prefix = f"v.blk.{layer}."
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors[f"{prefix}{name}.weight"] = random_normal(rng, (V_EMBD, V_EMBD), in_std)
+            tensors[f"{prefix}{name}.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+        for name in ("ln1", "ln2"):
+            tensors[f"{prefix}{name}.weight"] = norm_weight(rng, V_EMBD)
+            tensors[f"{prefix}{name}.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+        tensors[f"{prefix}ffn_up.weight"] = random_normal(rng, (V_FF, V_EMBD), in_std)
+        tensors[f"{prefix}ffn_up.bias"] = random_normal(rng, (V_FF,), 0.1)
+        tensors[f"{prefix}ffn_down.weight"] = random_normal(rng, (V_EMBD, V_FF), V_FF**-0.5)
+        tensors[f"{prefix}ffn_down.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+    # SigLIP's post_layernorm, then the projector. The norm's gain is stored as used (HF's
+    # Gemma3RMSNorm multiplies by 1 + weight; convert_hf_to_gguf adds the 1).
+    # mm.input_projection is HF's (vision, text) matrix as it is: ne [n_embd_text, V_EMBD]
+    # (siglip.cpp transposes it before the matmul), and its ne[0] is the width libmtmd
+    # checks against the text model's llama_model_n_embd_inp (clip_n_mmproj_embd).
+    tensors["v.post_ln.weight"] = norm_weight(rng, V_EMBD)
+    tensors["v.post_ln.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+    tensors["mm.soft_emb_norm.weight"] = norm_weight(rng, V_EMBD)
+    tensors["mm.input_projection.weight"] = random_normal(rng, (V_EMBD, n_embd_text), in_std)
+    return tensors
+
+
+def write_tiny_gemma3_mmproj_gguf(
+    path: str | os.PathLike[str],
+    *,
+    n_embd_text: int = N_EMBD,
+    seed: int = 0,
+    image_size: int = GEMMA3_IMAGE_SIZE,
+    patch_size: int = GEMMA3_PATCH_SIZE,
+    pool: int = GEMMA3_POOL,
+    name: str = "tiny-gemma3-mmproj",
+) -> pathlib.Path:
+    """Write a tiny Gemma 3 projector (``gemma3``) to ``path`` and return it as a Path
+    (renamed into place when whole; the same arguments give the same bytes).
+
+    ``n_embd_text`` must be the text model's width (64 for the tiny Qwen3, 640 for Gemma 3
+    270M); libmtmd decodes this projector's images non-causally with any text model. An image
+    of any size becomes ``gemma3_image_tokens(image_size=..., patch_size=..., pool=...)``
+    embeddings (16 with the defaults). ``image_size`` must be a multiple of ``patch_size``
+    and the patches a side a multiple of ``pool``: libmtmd loads a file where they are not,
+    but its pooling drops the remainder rows and columns, so the graph makes fewer
+    embeddings than libmtmd counts and the first encode aborts the process (GGML_ASSERT:
+    "expected output 14 tokens, got 9" for 60 pixels in 4-pixel patches pooled 4 x 4)."""
+    if min(image_size, patch_size, pool) <= 0:
+        raise ValueError(f"image_size {image_size}, patch_size {patch_size} and pool {pool} "
+                         "must be positive")
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is no multiple of patch_size {patch_size}")
+    if image_size // patch_size % pool:
+        raise ValueError(f"{image_size // patch_size} patches a side is no multiple of "
+                         f"pool {pool}")
+    target = pathlib.Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_projector_type(GEMMA3_PROJECTOR_TYPE)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(n_embd_text)
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(V_EMBD)
+    writer.add_vision_feed_forward_length(V_FF)
+    writer.add_vision_block_count(V_LAYER)
+    writer.add_vision_head_count(V_HEAD)
+    writer.add_vision_attention_layernorm_eps(V_EPS)  # also the soft_emb_norm's epsilon
+    writer.add_vision_image_mean(list(GEMMA3_IMAGE_MEAN))
+    writer.add_vision_image_std(list(GEMMA3_IMAGE_STD))
+    writer.add_vision_use_gelu(True)  # SigLIP's MLP: GELU (tanh), not quick GELU
+    # libmtmd defaults it to Gemma 3's 4 and reads it when present (convert_hf_to_gguf
+    # writes it only for other values); written always, so the file says what it pools.
+    writer.add_vision_projector_scale_factor(pool)
+    rng = np.random.default_rng(seed)
+    n_pos = (image_size // patch_size) ** 2
+    for tensor_name, tensor in _gemma3_tensors(rng, n_embd_text=n_embd_text, n_pos=n_pos,
+                                               patch_size=patch_size).items():
         writer.add_tensor(tensor_name, tensor)
     return finish_file(writer, partial, target)

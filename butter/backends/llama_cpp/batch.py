@@ -110,7 +110,9 @@ class DraftRows:
 # its rows are computed as in any other cut of the prompt: the same image in one work or
 # split between two (a chunk boundary, or a cached prefix, inside it) leaves the same cells.
 # The embeddings of the last few images are kept (Projector.embeddings), so a work that
-# holds the rest of an image does not encode it again.
+# holds the rest of an image does not encode it again. An image whose embeddings see each
+# other (PromptImage.causal false: Gemma 3's) comes whole in one work (step_plan.py) and is
+# decoded with llama.cpp's causal mask off, as libmtmd's helper decodes it.
 
 
 def image_runs(work: SeqWork) -> list[tuple[int, int, PromptImage | None]]:
@@ -303,6 +305,9 @@ class Stepper:
         offset = start - image.start
         if tokens != image_token_ids(image.image.key, image.n_tokens)[offset:offset + len(tokens)]:
             raise BackendError(f"seq {seq}'s ids at positions {start}.. are not its image's")
+        if not image.causal and len(tokens) != image.n_tokens:
+            raise BackendError(f"an image whose embeddings see each other is evaluated "
+                               f"whole, not {len(tokens)} of its {image.n_tokens} positions")
         embd = projector.embeddings(image.image)
         if len(embd) != image.n_tokens:
             raise BackendError(f"the projector made {len(embd)} embeddings of an image that "
@@ -339,8 +344,14 @@ class Stepper:
         if model.lm_head is not None:
             model.lm_head.arm(False)  # (llama.cpp's logits: one row at most, sampled now)
         started = time.perf_counter()
-        status = int(ll.llama_decode(model.ctx, batch))
-        ll.llama_synchronize(model.ctx)
+        if not image.causal:  # (the scratch rows are another sequence's: they see none)
+            ll.llama_set_causal_attn(model.ctx, False)
+        try:
+            status = int(ll.llama_decode(model.ctx, batch))
+            ll.llama_synchronize(model.ctx)
+        finally:
+            if not image.causal:
+                ll.llama_set_causal_attn(model.ctx, True)
         self._decode_seconds += time.perf_counter() - started
         if padding:
             ll.llama_memory_seq_rm(model.mem, model.pad_seq, -1, -1)

@@ -8,10 +8,12 @@ research behind it, and llama-server's way, are in docs/design/images-plan.md.
 
 Loaded after the text model, on the backend's thread (its encoder runs llama.cpp's CPU
 threads there, as the steps do), and freed before it (libmtmd keeps the text model's
-pointer). butter evaluates projectors whose images are decoded with the causal mask, as text
-is: with one position per embedding, or with M-RoPE's four (Qwen-VL and Qwen3.5 text
-models: the image's grid of positions, ImageGrid; positions.py maps cells to them). The
-others are refused at load (Projector.refusal).
+pointer). Images take one position per embedding, or M-RoPE's four (Qwen-VL and Qwen3.5
+text models: the image's grid of positions, ImageGrid; positions.py maps cells to them).
+They are decoded with the causal mask, as text is, or, for projectors such as Gemma 3's,
+with a mask that lets an image's embeddings see each other whole (PromptImage.causal): such
+an image is evaluated in one llama_decode. Audio-only projectors are refused at load
+(Projector.refusal).
 """
 
 from __future__ import annotations
@@ -159,6 +161,12 @@ class Projector:
             self.m_rope = bool(mtmd.mtmd_decode_use_mrope(ctx))
             rows = n_batch * M_ROPE_SECTIONS if self.m_rope else n_batch
             self.batch = ll.llama_batch_init(rows, self.n_embd, 1)
+            self.n_batch = n_batch
+            # Images whose embeddings see each other (Gemma 3's) go in one batch each: one
+            # that cannot is refused now rather than with a request
+            self.non_causal = bool(mtmd.mtmd_decode_use_non_causal(ctx, None))
+            if self.non_causal:
+                self._fits_one_batch()
         except BaseException:
             self.free()
             raise
@@ -168,10 +176,20 @@ class Projector:
         ctx = self.ctx
         if not mtmd.mtmd_support_vision(ctx):
             return "it has no vision encoder (an audio projector), and butter takes images only"
-        if mtmd.mtmd_decode_use_non_causal(ctx, None):
-            return ("its images are decoded with a non-causal mask (Gemma 3 and its kind), "
-                    "each alone in one micro-batch, which butter's steps do not do yet")
         return None
+
+    def _fits_one_batch(self) -> None:
+        """Tokenize a small picture: a non-causal projector whose images (of a fixed size,
+        as Gemma 3's are) take more rows than a step's batch cannot serve."""
+        grey = DecodedImage("0" * 64, 64, 64, bytes([128]) * (64 * 64 * 3))
+        try:
+            self.tokenize(["", ""], [grey], add_bos=False)
+        except BackendError as exc:
+            raise ModelLoadError(f"the projector {self.path}: {exc}") from None
+        with self._pending_lock:  # (the probe is never encoded)
+            chunk = self._pending.pop(grey.key, None)
+        if chunk is not None:
+            mtmd.mtmd_input_chunk_free(chunk)
 
     # ------------------------------------------------------------------ prompts
 
@@ -232,7 +250,12 @@ class Projector:
                 if grid is None and n_pos != n_tokens:
                     raise BackendError(f"an image of {n_tokens} embeddings takes {n_pos} "
                                        "positions, and the model has no M-RoPE")
-                placed.append(PromptImage(len(ids), n_tokens, image, grid))
+                causal = not mtmd.mtmd_decode_use_non_causal(self.ctx, chunk)
+                if not causal and n_tokens > self.n_batch:
+                    raise BackendError(
+                        f"an image of {n_tokens} embeddings is decoded in one batch, and "
+                        f"a batch holds {self.n_batch} rows: raise --prefill-chunk")
+                placed.append(PromptImage(len(ids), n_tokens, image, grid, causal))
                 ids += image_token_ids(image.key, n_tokens)
                 kept.append((image.key, mtmd.mtmd_input_chunk_copy(chunk)))
             if len(placed) != len(images):
