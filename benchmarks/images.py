@@ -176,23 +176,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--question-repeats", type=int, default=8,
                         help="the question's sentence this many times (a longer first turn)")
-    parser.add_argument("--projector", choices=["llava", "qwen-vl"], default="llava",
+    parser.add_argument("--projector", choices=["llava", "qwen-vl", "gemma3"],
+                        default="llava",
                         help="the random projector's kind: LLaVA's `mlp` (16 positions an "
-                        "image), or Qwen3-VL's `qwen3vl_merger` (Qwen3.5's: a grid of "
-                        "embeddings, M-RoPE positions on a Qwen-VL or Qwen3.5 model)")
+                        "image), Qwen3-VL's `qwen3vl_merger` (Qwen3.5's: a grid of "
+                        "embeddings, M-RoPE positions on a Qwen-VL or Qwen3.5 model), or "
+                        "Gemma 3's `gemma3` (16 embeddings that see each other)")
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/butter-images"))
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     args.model_path = args.model_path or resolve_model(sys.executable)
     from butter.testing.tiny_mmproj import (
+        write_tiny_gemma3_mmproj_gguf,
         write_tiny_mmproj_gguf,
         write_tiny_qwen_vl_mmproj_gguf,
     )
 
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    write = write_tiny_mmproj_gguf if args.projector == "llava" else \
-        write_tiny_qwen_vl_mmproj_gguf
+    write = {"llava": write_tiny_mmproj_gguf, "qwen-vl": write_tiny_qwen_vl_mmproj_gguf,
+             "gemma3": write_tiny_gemma3_mmproj_gguf}[args.projector]
     projector = write(Path(tempfile.mkdtemp()) / f"mmproj-{args.projector}.gguf",
                       n_embd_text=model_width(Path(args.model_path)))
     names = [args.only] if args.only else ["butter", "llama-server"]
