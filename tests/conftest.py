@@ -19,7 +19,9 @@ import pytest
 from butter.testing.tiny_gguf import write_tiny_mamba_gguf, write_tiny_qwen3_gguf
 from butter.testing.tiny_hybrid import write_tiny_lfm2_gguf, write_tiny_qwen35_gguf
 from butter.testing.tiny_mmproj import (
+    IDEFICS3_MARKERS,
     write_tiny_gemma3_mmproj_gguf,
+    write_tiny_idefics3_mmproj_gguf,
     write_tiny_mmproj_gguf,
     write_tiny_qwen_vl_mmproj_gguf,
 )
@@ -76,6 +78,23 @@ def tiny_gemma3_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     image, which libmtmd decodes with a non-causal mask (they see each other whole)."""
     return write_tiny_gemma3_mmproj_gguf(tmp_path_factory.mktemp("gemma3-mmproj")
                                          / "tiny-gemma3-mmproj.gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 with the texts an Idefics3 projector puts around its slices as tokens
+    of their own (IDEFICS3_MARKERS), as SmolVLM's vocabulary has them."""
+    return write_tiny_qwen3_gguf(tmp_path_factory.mktemp("idefics3") / "tiny-idefics3.gguf",
+                                 added_tokens=IDEFICS3_MARKERS)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_mmproj_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight Idefics3 / SmolVLM vision tower ("idefics3"): libmtmd slices a picture
+    into idefics3_grid() tiles of 32 pixels plus an overview, each an image of 4 embeddings
+    with marker text between them."""
+    return write_tiny_idefics3_mmproj_gguf(tmp_path_factory.mktemp("idefics3-mmproj")
+                                           / "tiny-idefics3-mmproj.gguf")
 
 
 @pytest.fixture(scope="session")

@@ -22,18 +22,22 @@ from tests.backend_steps import forget_everything
 CHUNK = 8  # (an image of 16 positions spans three prompt chunks; of 9, two)
 
 
-@pytest.fixture(scope="module", params=["qwen3-llava", "qwen3vl-qwen-vl", "qwen3-gemma3"])
+@pytest.fixture(scope="module", params=["qwen3-llava", "qwen3vl-qwen-vl", "qwen3-gemma3",
+                                               "qwen3-idefics3"])
 def resident(request: pytest.FixtureRequest, tiny_gguf: Path, tiny_mmproj_gguf: Path,
              tiny_qwen3vl_gguf: Path, tiny_qwen_vl_mmproj_gguf: Path,
-             tiny_gemma3_mmproj_gguf: Path) -> Iterator[ResidentModel]:
+             tiny_gemma3_mmproj_gguf: Path, tiny_idefics3_gguf: Path,
+             tiny_idefics3_mmproj_gguf: Path) -> Iterator[ResidentModel]:
     """The tiny Qwen3 with LLaVA's projector (16 positions an image), the tiny Qwen3-VL
     with Qwen3-VL's (a 32x32 picture: 9 embeddings at 3 M-RoPE positions), or the tiny
     Qwen3 with Gemma 3's (16 embeddings that see each other: evaluated whole, in a chunk
-    of its own past the chunk size)."""
+    of its own past the chunk size), or the tiny Qwen3 with Idefics3's (a picture sliced:
+    a 32 pixel tile and the overview, 4 embeddings each, marker text between them)."""
     model_path, projector = {
         "qwen3-llava": (tiny_gguf, tiny_mmproj_gguf),
         "qwen3vl-qwen-vl": (tiny_qwen3vl_gguf, tiny_qwen_vl_mmproj_gguf),
-        "qwen3-gemma3": (tiny_gguf, tiny_gemma3_mmproj_gguf)}[str(request.param)]
+        "qwen3-gemma3": (tiny_gguf, tiny_gemma3_mmproj_gguf),
+        "qwen3-idefics3": (tiny_idefics3_gguf, tiny_idefics3_mmproj_gguf)}[str(request.param)]
     model = ResidentModel.load_sync(ServeSettings(
         model=str(model_path), mmproj=str(projector), parallel=2, max_context=512,
         prefill_chunk=CHUNK, threads=2))

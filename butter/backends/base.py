@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -213,13 +214,25 @@ class PromptImage:
     image_token_ids(key, n_tokens) there, so that prefix matching tells images apart.
     `grid`: its M-RoPE positions, where the model gives it those (None: one position a
     cell, as text). Not `causal` (Gemma 3's): its embeddings see each other whole, so it is
-    evaluated in one piece, never split between prompt chunks or cut in a cache."""
+    evaluated in one piece, never split between prompt chunks or cut in a cache.
+
+    A projector that slices a large picture (SmolVLM's, MiniCPM-V's) makes several images
+    of it, with text between them: `piece` says which of the picture's (0: the first)."""
 
     start: int
     n_tokens: int
     image: DecodedImage
     grid: ImageGrid | None = None
     causal: bool = True
+    piece: int = 0
+
+    @property
+    def key(self) -> str:
+        """What tells this image apart (image_token_ids'): its picture's key, and for a
+        later piece of a sliced picture, a key derived from both."""
+        if self.piece == 0:
+            return self.image.key
+        return hashlib.sha256(f"{self.image.key}:{self.piece}".encode()).hexdigest()
 
     @property
     def end(self) -> int:

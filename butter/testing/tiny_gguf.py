@@ -17,6 +17,7 @@ import functools
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any, Final
 
 import gguf
@@ -358,17 +359,20 @@ def _all_tensors(seed: int, n_vocab: int, n_embd: int = N_EMBD) -> dict[str, F32
 # --- the tiny model ---------------------------------------------------------------
 
 
-def tiny_shape(*, width: int = N_EMBD, n_ctx_train: int = 4096, fim: bool = False) -> Shape:
+def tiny_shape(*, width: int = N_EMBD, n_ctx_train: int = 4096, fim: bool = False,
+               added_tokens: Sequence[str] = ()) -> Shape:
     """The tiny Qwen3's shape at hidden size ``width`` (the FFN scales with it)."""
-    n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0)
+    n_vocab = len(tiny_vocab()) + (len(FIM_TOKENS) if fim else 0) + len(added_tokens)
     return Shape("qwen3", N_LAYER, width, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF * width // N_EMBD,
                  n_vocab, n_ctx_train, ROPE_THETA, RMS_EPS, qk_norm=True)
 
 
-def tiny_vocabulary(chat_template: str = CHAT_TEMPLATE, *, fim: bool = False) -> Vocabulary:
+def tiny_vocabulary(chat_template: str = CHAT_TEMPLATE, *, fim: bool = False,
+                    added_tokens: Sequence[str] = ()) -> Vocabulary:
     """The tiny model's tokenizer, in the layout of Qwen's GGUFs: <|im_end|> ends a chat
     turn (eos and eot); <|endoftext|> is bos/pad and llama.cpp also treats it as
-    end-of-generation by name. With ``fim``, the FIM tokens follow, named in the metadata."""
+    end-of-generation by name. With ``fim``, the FIM tokens follow, named in the metadata;
+    then ``added_tokens``, as user-defined tokens (matched in any text, like <think>)."""
     _, merges = _trained_vocab()
     vocab = tiny_vocab()
     ids = special_token_ids()
@@ -385,6 +389,8 @@ def tiny_vocabulary(chat_template: str = CHAT_TEMPLATE, *, fim: bool = False) ->
         fim_ids = dict(zip(keys, range(len(vocab), len(vocab) + len(FIM_TOKENS)), strict=True))
         vocab = [*vocab, *FIM_TOKENS]
         token_types += [gguf.TokenType.CONTROL] * len(FIM_TOKENS)
+    vocab = [*vocab, *added_tokens]
+    token_types += [gguf.TokenType.USER_DEFINED] * len(added_tokens)
     return Vocabulary(vocab, token_types, merges, "qwen2", bos=ids[ENDOFTEXT], eos=ids[IM_END],
                       eot=ids[IM_END], pad=ids[ENDOFTEXT], add_bos=False,
                       chat_template=chat_template, fim=fim_ids)
@@ -415,6 +421,7 @@ def write_tiny_qwen3_gguf(
     q4_0: bool = False,
     width: int = N_EMBD,
     m_rope: bool = False,
+    added_tokens: Sequence[str] = (),
 ) -> pathlib.Path:
     """Write the tiny Qwen3 model to ``path`` and return it as a Path.
 
@@ -433,12 +440,15 @@ def write_tiny_qwen3_gguf(
     size (the FFN scales with it): 256 or more lets llama.cpp's quantizer use K-quants.
     With ``m_rope`` it is a Qwen3-VL text model instead (llama.cpp's ``qwen3vl``: the same
     tensors, M-RoPE positions in MROPE_SECTIONS), whose images take fewer positions than
-    embeddings.
+    embeddings. ``added_tokens`` end the vocabulary as user-defined tokens (a slicing
+    projector's markers, say: tiny_mmproj.IDEFICS3_MARKERS).
     """
-    shape = tiny_shape(width=width, n_ctx_train=n_ctx_train, fim=fim)
+    shape = tiny_shape(width=width, n_ctx_train=n_ctx_train, fim=fim,
+                       added_tokens=added_tokens)
     if m_rope:
         shape = dataclasses.replace(shape, arch="qwen3vl", rope_sections=MROPE_SECTIONS)
-    vocab = tiny_vocabulary(CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim)
+    vocab = tiny_vocabulary(CHAT_TEMPLATE if chat_template is None else chat_template, fim=fim,
+                            added_tokens=added_tokens)
     file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if quantize else gguf.LlamaFileType.ALL_F32
     layer_type = GgmlType.Q4_0 if q4_0 else GgmlType.Q8_0
 

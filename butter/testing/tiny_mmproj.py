@@ -342,17 +342,20 @@ def gemma3_image_tokens(*, image_size: int = GEMMA3_IMAGE_SIZE,
     return (image_size // patch_size // pool) ** 2
 
 
-def _gemma3_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
-                    patch_size: int) -> dict[str, F32Array]:
-    """Every tensor of the Gemma 3 vision tower, named as libmtmd loads them; numpy shapes are
-    the GGUF's ne reversed ((out, in) for a matrix, except mm.input_projection: see below)."""
+def _siglip_tower_tensors(rng: np.random.Generator, *, n_pos: int,
+                          patch_size: int) -> dict[str, F32Array]:
+    """A SigLIP vision transformer's tensors (siglip.cpp's build_vit: patch convolution plus
+    bias, learned position embeddings, no pre-layernorm, the blocks, a post-layernorm), named
+    as libmtmd loads them; numpy shapes are the GGUF's ne reversed ((out, in) for a matrix).
+    Gemma 3's and Idefics3's towers are this; their projectors follow."""
     in_std = V_EMBD**-0.5
     tensors: dict[str, F32Array] = {
         # ggml_conv_2d's kernel: ne [patch, patch, 3, V_EMBD]
         "v.patch_embd.weight": random_normal(rng, (V_EMBD, 3, patch_size, patch_size),
                                              (3 * patch_size * patch_size) ** -0.5),
         "v.patch_embd.bias": random_normal(rng, (V_EMBD,), 0.1),
-        # one per patch: siglip.cpp adds them as they are (no interpolation for gemma3)
+        # one per patch: siglip.cpp adds them as they are (no interpolation for gemma3 or
+        # idefics3), so every image the tower sees is image_size a side
         "v.position_embd.weight": random_normal(rng, (n_pos, V_EMBD), 0.5),
     }
     for layer in range(V_LAYER):
@@ -367,15 +370,25 @@ def _gemma3_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
         tensors[f"{prefix}ffn_up.bias"] = random_normal(rng, (V_FF,), 0.1)
         tensors[f"{prefix}ffn_down.weight"] = random_normal(rng, (V_EMBD, V_FF), V_FF**-0.5)
         tensors[f"{prefix}ffn_down.bias"] = random_normal(rng, (V_EMBD,), 0.1)
-    # SigLIP's post_layernorm, then the projector. The norm's gain is stored as used (HF's
-    # Gemma3RMSNorm multiplies by 1 + weight; convert_hf_to_gguf adds the 1).
+    # SigLIP's post_layernorm
+    tensors["v.post_ln.weight"] = norm_weight(rng, V_EMBD)
+    tensors["v.post_ln.bias"] = random_normal(rng, (V_EMBD,), 0.1)
+    return tensors
+
+
+def _gemma3_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
+                    patch_size: int) -> dict[str, F32Array]:
+    """Every tensor of the Gemma 3 vision tower, named as libmtmd loads them; numpy shapes are
+    the GGUF's ne reversed ((out, in) for a matrix, except mm.input_projection: see below)."""
+    tensors = _siglip_tower_tensors(rng, n_pos=n_pos, patch_size=patch_size)
+    # The projector. The norm's gain is stored as used (HF's Gemma3RMSNorm multiplies by
+    # 1 + weight; convert_hf_to_gguf adds the 1).
     # mm.input_projection is HF's (vision, text) matrix as it is: ne [n_embd_text, V_EMBD]
     # (siglip.cpp transposes it before the matmul), and its ne[0] is the width libmtmd
     # checks against the text model's llama_model_n_embd_inp (clip_n_mmproj_embd).
-    tensors["v.post_ln.weight"] = norm_weight(rng, V_EMBD)
-    tensors["v.post_ln.bias"] = random_normal(rng, (V_EMBD,), 0.1)
     tensors["mm.soft_emb_norm.weight"] = norm_weight(rng, V_EMBD)
-    tensors["mm.input_projection.weight"] = random_normal(rng, (V_EMBD, n_embd_text), in_std)
+    tensors["mm.input_projection.weight"] = random_normal(rng, (V_EMBD, n_embd_text),
+                                                          V_EMBD**-0.5)
     return tensors
 
 
@@ -434,5 +447,198 @@ def write_tiny_gemma3_mmproj_gguf(
     n_pos = (image_size // patch_size) ** 2
     for tensor_name, tensor in _gemma3_tensors(rng, n_embd_text=n_embd_text, n_pos=n_pos,
                                                patch_size=patch_size).items():
+        writer.add_tensor(tensor_name, tensor)
+    return finish_file(writer, partial, target)
+
+
+# --- an Idefics3 / SmolVLM projector (an image sliced into several chunks) ----------------
+#
+# SmolVLM's (and Idefics3's) vision tower, as libmtmd names it: ``idefics3``
+# (PROJECTOR_TYPE_IDEFICS3, built by tools/mtmd/models/siglip.cpp): the same SigLIP
+# transformer as Gemma 3's, then a pixel shuffle (build_patch_merge_permute: each
+# scale x scale block of patches concatenated into one vector of V_EMBD * scale^2) and one
+# matrix without bias (``mm.model.fc``) to the text model's width.
+#
+# Unlike the three projectors above, libmtmd cuts an image into tiles of image_size a side
+# (mtmd-image.cpp, mtmd_image_preprocessor_idefics3; how many: ``idefics3_grid()``) and makes
+# each tile, and an overview (the whole image resized to one tile), an image chunk of its
+# own, with text between them (mtmd.cpp, MTMD_SLICE_TMPL_IDEFICS3). For C columns x R rows
+# of tiles the media marker becomes
+#
+#   <fake_token_around_image><row_1_col_1>  [image: tile (1, 1)]
+#   <fake_token_around_image><row_1_col_2>  [image: tile (1, 2)]  ...  [image: tile (1, C)]
+#   \n<fake_token_around_image><row_2_col_1>  [image: tile (2, 1)]  ...  [image: tile (R, C)]
+#   \n\n<fake_token_around_image><global-img>  [image: the overview]
+#   <fake_token_around_image>
+#
+# the tiles row by row, a "\n" before each row but the first, the overview LAST: C * R + 1
+# image chunks, each with the bitmap's id, each idefics3_image_tokens() embeddings at one
+# text position apiece (4 with the defaults), decoded causally (mtmd_decode_use_non_causal
+# and mtmd_decode_use_mrope are false). libmtmd merges adjacent text into one chunk: the
+# prompt's text before the marker and the first <row_1_col_1> text are one text chunk, as
+# are the closing <fake_token_around_image> and the text after the marker (or the next
+# image's first row/col text). There is always at least one tile: an image that fits one
+# tile is still two image chunks, tile (1, 1) then the overview, and as the two are then
+# the same pixels (image_size a side) their embeddings are the same too.
+#
+# The <row_r_col_c> texts are tokenized with special-token parsing (byte by byte in the
+# tiny Qwen3's vocabulary). "\n", "\n\n", "<fake_token_around_image>" and "<global-img>",
+# however, libmtmd looks up once, as single tokens, by their exact text in the text model's
+# vocabulary, and one the vocabulary lacks is LLAMA_TOKEN_NULL (-1) in the text chunk: the
+# tiny Qwen3 has only "\n", so the overview's text around it is [-1, -1, -1] and [-1, ...].
+# mtmd_helper_eval_chunks then aborts the process (GGML_ASSERT(idx >= 0) in
+# mtmd-helper.cpp) and llama_decode of such a batch returns -1. Decoding these images needs
+# a text model whose vocabulary has the three: write_tiny_qwen3_gguf(added_tokens=
+# IDEFICS3_MARKERS) appends them as user-defined tokens.
+
+IDEFICS3_PROJECTOR_TYPE: Final = "idefics3"
+# The texts libmtmd looks up as single tokens around an Idefics3 overview.
+IDEFICS3_MARKERS: Final = ("\n\n", "<fake_token_around_image>", "<global-img>")
+IDEFICS3_IMAGE_SIZE: Final = 32  # a tile's side, in pixels (SmolVLM's: 384 or 512)
+IDEFICS3_PATCH_SIZE: Final = 8  # so 4 x 4 patches a tile (SmolVLM's: 16 pixels)
+IDEFICS3_SCALE: Final = 2  # the pixel shuffle's factor (Idefics3's 2, SmolVLM's 3 or 4):
+# 4 x 4 patches shuffled to 2 x 2, so 4 embeddings a tile
+# SigLIP's processor normalises to [-1, 1].
+IDEFICS3_IMAGE_MEAN: Final = (0.5, 0.5, 0.5)
+IDEFICS3_IMAGE_STD: Final = (0.5, 0.5, 0.5)
+
+
+def idefics3_image_tokens(*, image_size: int = IDEFICS3_IMAGE_SIZE,
+                          patch_size: int = IDEFICS3_PATCH_SIZE,
+                          scale: int = IDEFICS3_SCALE) -> int:
+    """How many embeddings (text positions) libmtmd makes of each image chunk (every tile
+    and the overview alike, all image_size a side) with the Idefics3 projector: 4 with the
+    defaults (32 pixels, 8-pixel patches, 4 x 4 patches shuffled 2 x 2 into 2 x 2)."""
+    return (image_size // patch_size // scale) ** 2
+
+
+def idefics3_grid(width: int, height: int, *, image_size: int = IDEFICS3_IMAGE_SIZE,
+                  longest_edge: int | None = None) -> tuple[int, int]:
+    """The (columns, rows) of tiles libmtmd cuts a ``width`` x ``height`` image into with the
+    Idefics3 projector; the image becomes columns * rows + 1 image chunks (the tiles, then
+    the overview), never fewer than two.
+
+    This assumes mtmd_context_params' image_min_tokens and image_max_tokens are left at -1
+    (their default): either one makes libmtmd scale the image into those bounds instead.
+
+    Without ``longest_edge`` (the file has no ``clip.vision.preproc_image_size``, the
+    default here) libmtmd rounds each side to the NEAREST multiple of image_size, at
+    least one (calc_size_preserved_ratio, float32 arithmetic, std::round: half away from
+    zero), resizes the image to that and cuts it: with 32-pixel tiles, 32x32 (and anything
+    up to 47x47) is one tile, 64x32 two, 96x64 three columns x two rows. The grid has no
+    bound: keep test images small (640x480 would be 20 x 15 tiles).
+
+    With ``longest_edge`` (SmolVLM's GGUFs have it: HF's size["longest_edge"]) the size no
+    longer matters, only the aspect: libmtmd resizes the image so its longer side is
+    exactly longest_edge (up or down), the shorter one in proportion (truncated, then
+    rounded up to even), and takes ceil(side / image_size) tiles each way; with
+    longest_edge == 2 * image_size a square of any size is 2 x 2 tiles. An aspect beyond
+    longest_edge : 1 makes the shorter side 0 and libmtmd refuses the image (mtmd_tokenize
+    returns 2); so does this, with ValueError."""
+    if width <= 0 or height <= 0:
+        raise ValueError(f"no image of {width}x{height} pixels")
+    if longest_edge is None:
+        f32 = np.float32
+
+        def nearest(side: int) -> int:
+            return max(1, math.floor(float(f32(side) / f32(image_size)) + 0.5))
+
+        return nearest(width), nearest(height)
+    aspect = width / height  # a double, as libmtmd computes it
+    if width >= height:
+        resized_w = longest_edge
+        resized_h = int(longest_edge / aspect)
+        resized_h += resized_h % 2
+    else:
+        resized_h = longest_edge
+        resized_w = int(longest_edge * aspect)
+        resized_w += resized_w % 2
+    if not resized_w or not resized_h:  # mtmd_tokenize fails (returns 2): "resize target
+        # 0x64 is out of range"
+        raise ValueError(f"libmtmd refuses a {width}x{height} image with longest_edge "
+                         f"{longest_edge}: it would resize it to {resized_w}x{resized_h}")
+    return -(-resized_w // image_size), -(-resized_h // image_size)
+
+
+def _idefics3_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
+                      patch_size: int, scale: int) -> dict[str, F32Array]:
+    """Every tensor of the Idefics3 vision tower, named as libmtmd loads them; numpy shapes
+    are the GGUF's ne reversed ((out, in) for a matrix)."""
+    tensors = _siglip_tower_tensors(rng, n_pos=n_pos, patch_size=patch_size)
+    # The connector (HF's Idefics3Connector.modality_projection): no bias. Its output width,
+    # mm.model.fc's ne[1], is what libmtmd checks against the text model's
+    # llama_model_n_embd_inp (clip_n_mmproj_embd).
+    shuffled = V_EMBD * scale * scale
+    tensors["mm.model.fc.weight"] = random_normal(rng, (n_embd_text, shuffled),
+                                                  shuffled**-0.5)
+    return tensors
+
+
+def write_tiny_idefics3_mmproj_gguf(
+    path: str | os.PathLike[str],
+    *,
+    n_embd_text: int = N_EMBD,
+    seed: int = 0,
+    image_size: int = IDEFICS3_IMAGE_SIZE,
+    patch_size: int = IDEFICS3_PATCH_SIZE,
+    scale: int = IDEFICS3_SCALE,
+    longest_edge: int | None = None,
+    name: str = "tiny-idefics3-mmproj",
+) -> pathlib.Path:
+    """Write a tiny Idefics3 / SmolVLM projector (``idefics3``) to ``path`` and return it as
+    a Path (renamed into place when whole; the same arguments give the same bytes).
+
+    ``n_embd_text`` must be the text model's width (64 for the tiny Qwen3). libmtmd slices
+    an image into ``idefics3_grid(width, height, image_size=..., longest_edge=...)`` tiles
+    plus an overview, each an image chunk of ``idefics3_image_tokens(...)`` embeddings (4
+    with the defaults) between text chunks of row/column markers (see the comment above
+    IDEFICS3_PROJECTOR_TYPE). ``longest_edge`` writes ``clip.vision.preproc_image_size``
+    (SmolVLM's way: every image resized to that longest side first); without it the tiles
+    follow the image's size.
+
+    It loads next to any tiny Qwen3, but its images decode only beside one written with
+    ``added_tokens=IDEFICS3_MARKERS``: without them libmtmd puts LLAMA_TOKEN_NULL (-1) in
+    the text chunks around the overview (see the comment above IDEFICS3_PROJECTOR_TYPE).
+
+    ``image_size`` must be a multiple of ``patch_size`` and the patches a side a multiple of
+    ``scale`` (at least 2: libmtmd asserts scale > 1): every tile and overview is
+    image_size a side, and the position embeddings are one per patch of it."""
+    if min(image_size, patch_size) <= 0 or scale < 2:
+        raise ValueError(f"image_size {image_size} and patch_size {patch_size} must be "
+                         f"positive and scale {scale} at least 2")
+    if image_size % patch_size:
+        raise ValueError(f"image_size {image_size} is no multiple of patch_size {patch_size}")
+    if image_size // patch_size % scale:
+        raise ValueError(f"{image_size // patch_size} patches a side is no multiple of "
+                         f"scale {scale}")
+    if longest_edge is not None and longest_edge <= 0:
+        raise ValueError(f"longest_edge {longest_edge} is not positive")
+    target = pathlib.Path(path)
+    partial = target.with_name(target.name + ".partial")
+    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_projector_type(IDEFICS3_PROJECTOR_TYPE)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(n_embd_text)
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(V_EMBD)
+    writer.add_vision_feed_forward_length(V_FF)
+    writer.add_vision_block_count(V_LAYER)
+    writer.add_vision_head_count(V_HEAD)
+    writer.add_vision_attention_layernorm_eps(V_EPS)
+    writer.add_vision_image_mean(list(IDEFICS3_IMAGE_MEAN))
+    writer.add_vision_image_std(list(IDEFICS3_IMAGE_STD))
+    writer.add_vision_use_gelu(True)  # SigLIP's MLP: GELU (tanh), not quick GELU
+    writer.add_vision_projector_scale_factor(scale)  # libmtmd's default would be 1
+    if longest_edge is not None:
+        writer.add_vision_preproc_image_size(longest_edge)
+    rng = np.random.default_rng(seed)
+    n_pos = (image_size // patch_size) ** 2
+    for tensor_name, tensor in _idefics3_tensors(rng, n_embd_text=n_embd_text, n_pos=n_pos,
+                                                 patch_size=patch_size,
+                                                 scale=scale).items():
         writer.add_tensor(tensor_name, tensor)
     return finish_file(writer, partial, target)

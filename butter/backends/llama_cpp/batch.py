@@ -303,12 +303,12 @@ class Stepper:
         if projector is None:
             raise BackendError("a prompt holds an image, and no projector is loaded")
         offset = start - image.start
-        if tokens != image_token_ids(image.image.key, image.n_tokens)[offset:offset + len(tokens)]:
+        if tokens != image_token_ids(image.key, image.n_tokens)[offset:offset + len(tokens)]:
             raise BackendError(f"seq {seq}'s ids at positions {start}.. are not its image's")
         if not image.causal and len(tokens) != image.n_tokens:
             raise BackendError(f"an image whose embeddings see each other is evaluated "
                                f"whole, not {len(tokens)} of its {image.n_tokens} positions")
-        embd = projector.embeddings(image.image)
+        embd = projector.embeddings(image)
         if len(embd) != image.n_tokens:
             raise BackendError(f"the projector made {len(embd)} embeddings of an image that "
                                f"takes {image.n_tokens} positions")

@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import llama_cpp as ll
 import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
@@ -183,13 +184,14 @@ class Projector:
         as Gemma 3's are) take more rows than a step's batch cannot serve."""
         grey = DecodedImage("0" * 64, 64, 64, bytes([128]) * (64 * 64 * 3))
         try:
-            self.tokenize(["", ""], [grey], add_bos=False)
+            _, placed = self.tokenize(["", ""], [grey], add_bos=False)
         except BackendError as exc:
             raise ModelLoadError(f"the projector {self.path}: {exc}") from None
         with self._pending_lock:  # (the probe is never encoded)
-            chunk = self._pending.pop(grey.key, None)
-        if chunk is not None:
-            mtmd.mtmd_input_chunk_free(chunk)
+            probes = [self._pending.pop(image.key, None) for image in placed]
+        for chunk in probes:
+            if chunk is not None:
+                mtmd.mtmd_input_chunk_free(chunk)
 
     # ------------------------------------------------------------------ prompts
 
@@ -205,7 +207,10 @@ class Projector:
                                "must be one more")
         encoded = [text.encode("utf-8") for text in texts]
         inputs = [mtmd.mtmd_input_text(data, len(data), False, True) for data in encoded]
-        bitmaps = [_bitmap(image) for image in images]
+        # Each bitmap's id is its place in the prompt, so that every chunk libmtmd makes of
+        # it (a slicing projector makes several) says which picture it is, even when one
+        # picture is sent twice.
+        bitmaps = [_bitmap(image, str(index)) for index, image in enumerate(images)]
         parts = [mtmd.mtmd_input_part(ctypes.pointer(inputs[0]), None)]
         for bitmap, text in zip(bitmaps, inputs[1:], strict=True):
             parts.append(mtmd.mtmd_input_part(None, bitmap))
@@ -229,6 +234,7 @@ class Projector:
         ids: list[int] = []
         placed: list[PromptImage] = []
         kept: list[tuple[str, Any]] = []
+        pictures = 0  # of `images`, those met so far (a sliced one: several chunks)
         try:
             for index in range(mtmd.mtmd_input_chunks_size(chunks)):
                 chunk = mtmd.mtmd_input_chunks_get(chunks, index)
@@ -238,12 +244,16 @@ class Projector:
                     tokens = mtmd.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(count))
                     ids += tokens[:count.value]
                     continue
-                image = images[len(placed)] if len(placed) < len(images) else None
-                if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE or image is None or (
-                        mtmd.mtmd_input_chunk_get_id(chunk) != image.key.encode()):
-                    raise BackendError(
-                        f"the projector ({self.type or 'unknown type'}) makes several chunks "
-                        "of one image (slices or tiles): not supported yet")
+                if kind != mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
+                    raise BackendError("libmtmd made a chunk of another kind than an image")
+                of = mtmd.mtmd_input_chunk_get_id(chunk)
+                if of == str(pictures).encode() and pictures < len(images):
+                    image, piece = images[pictures], 0  # (a picture's first chunk)
+                    pictures += 1
+                elif placed and of == str(pictures - 1).encode():
+                    image, piece = images[pictures - 1], placed[-1].piece + 1  # (a slice)
+                else:
+                    raise BackendError("libmtmd placed an image chunk out of its pictures' order")
                 n_tokens = int(mtmd.mtmd_input_chunk_get_n_tokens(chunk))
                 n_pos = int(mtmd.mtmd_input_chunk_get_n_pos(chunk))
                 grid = _grid(chunk, n_tokens, n_pos) if self.m_rope else None
@@ -255,11 +265,11 @@ class Projector:
                     raise BackendError(
                         f"an image of {n_tokens} embeddings is decoded in one batch, and "
                         f"a batch holds {self.n_batch} rows: raise --prefill-chunk")
-                placed.append(PromptImage(len(ids), n_tokens, image, grid, causal))
-                ids += image_token_ids(image.key, n_tokens)
-                kept.append((image.key, mtmd.mtmd_input_chunk_copy(chunk)))
-            if len(placed) != len(images):
-                raise BackendError(f"libmtmd placed {len(placed)} of {len(images)} images")
+                placed.append(PromptImage(len(ids), n_tokens, image, grid, causal, piece))
+                ids += image_token_ids(placed[-1].key, n_tokens)
+                kept.append((placed[-1].key, mtmd.mtmd_input_chunk_copy(chunk)))
+            if pictures != len(images):
+                raise BackendError(f"libmtmd placed {pictures} of {len(images)} images")
         except BaseException:
             for _, chunk in kept:
                 mtmd.mtmd_input_chunk_free(chunk)
@@ -284,7 +294,7 @@ class Projector:
 
     # ------------------------------------------------------------------ embeddings
 
-    def embeddings(self, image: DecodedImage) -> np.ndarray:
+    def embeddings(self, image: PromptImage) -> np.ndarray:
         """The image's embeddings, one row (n_embd floats) per position: from the cache of
         the last few, else encoded now (on the backend's thread: the encoder's output is one
         buffer of libmtmd's context)."""
@@ -314,9 +324,11 @@ class Projector:
             self._embeddings.popitem(last=False)
         return embd
 
-    def _image_chunk(self, image: DecodedImage) -> Any:
-        """The image alone, tokenized: a copy of its image chunk (the caller frees it)."""
-        bitmap = _bitmap(image)
+    def _image_chunk(self, image: PromptImage) -> Any:
+        """The picture alone, tokenized again: a copy of the image chunk that is `image`'s
+        piece (the caller frees it). The picture's other pieces are kept for their encodes
+        (a sliced picture's come one after another)."""
+        bitmap = _bitmap(image.image)
         part = mtmd.mtmd_input_part(None, bitmap)
         array = (ctypes.POINTER(mtmd.mtmd_input_part) * 1)(ctypes.pointer(part))
         chunks = mtmd.mtmd_input_chunks_init()
@@ -324,11 +336,16 @@ class Projector:
             status = mtmd.mtmd_tokenize_from_parts(self.ctx, chunks, array, 1, False)
             if status != 0:
                 raise BackendError(f"libmtmd could not tokenize an image (status {status})")
-            for index in range(mtmd.mtmd_input_chunks_size(chunks)):
-                chunk = mtmd.mtmd_input_chunks_get(chunks, index)
-                if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE:
-                    return mtmd.mtmd_input_chunk_copy(chunk)
-            raise BackendError("libmtmd made no image chunk of an image")
+            every = [mtmd.mtmd_input_chunks_get(chunks, index)
+                     for index in range(mtmd.mtmd_input_chunks_size(chunks))]
+            pieces = [chunk for chunk in every
+                      if mtmd.mtmd_input_chunk_get_type(chunk) == mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE]
+            if image.piece >= len(pieces):
+                raise BackendError(f"libmtmd made {len(pieces)} image chunks of a picture, "
+                                   f"not {image.piece + 1}")
+            self._keep([(attrs.evolve(image, piece=index).key, mtmd.mtmd_input_chunk_copy(chunk))
+                        for index, chunk in enumerate(pieces) if index > image.piece])
+            return mtmd.mtmd_input_chunk_copy(pieces[image.piece])
         finally:
             mtmd.mtmd_input_chunks_free(chunks)
             mtmd.mtmd_bitmap_free(bitmap)
@@ -378,9 +395,9 @@ def _grid(chunk: Any, n_tokens: int, n_pos: int) -> ImageGrid:
     return ImageGrid(tuple(offsets), tuple(moves), n_pos)
 
 
-def _bitmap(image: DecodedImage) -> Any:
-    """A libmtmd bitmap of the image's RGB pixels (libmtmd copies them), its id the image's
-    key (the chunk's id then, which tokenize checks)."""
+def _bitmap(image: DecodedImage, name: str = "") -> Any:
+    """A libmtmd bitmap of the image's RGB pixels (libmtmd copies them), its id `name` (the
+    id of every chunk made of it, which tokenize reads)."""
     size = image.width * image.height * 3
     if image.width <= 0 or image.height <= 0 or len(image.rgb) != size:
         raise BackendError(f"an image of {image.width}x{image.height} pixels needs {size} RGB "
@@ -389,5 +406,5 @@ def _bitmap(image: DecodedImage) -> Any:
     bitmap = mtmd.mtmd_bitmap_init(image.width, image.height, pixels)
     if not bitmap:
         raise BackendError("libmtmd could not take the image's pixels")
-    mtmd.mtmd_bitmap_set_id(bitmap, image.key.encode())
+    mtmd.mtmd_bitmap_set_id(bitmap, name.encode())
     return bitmap
