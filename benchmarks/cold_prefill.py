@@ -9,6 +9,11 @@ is reported beside it. With ``--perf`` the lengths listed are recorded with
 
     python benchmarks/cold_prefill.py --server butter --model M.gguf --lengths 2048,8192,16384 \
         --perf 8192,16384 --out /tmp/cp
+
+With ``--claude-code BODY.json`` (a request benchmarks/claude_code_body.py captured from the
+pinned Claude Code) the prompt is instead that real first request of an agent, sent to
+``/v1/messages`` as it came but for ``max_tokens`` 1, no streaming and no extended thinking
+(a 1-token answer leaves no room for a thinking budget).
 """
 
 from __future__ import annotations
@@ -56,6 +61,8 @@ def main() -> None:
                     help="the llama-server binary (e.g. an AVX2-only build for that class)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="/tmp/cold_prefill")
+    ap.add_argument("--claude-code", type=Path,
+                    help="a captured Claude Code request body to send instead of --lengths")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,6 +92,24 @@ def main() -> None:
             return time.perf_counter() - t0, r.json()
 
         ask(words(64, 999))  # warm: threads started, weights paged in
+        if a.claude_code is not None:
+            body = {key: value for key, value in json.loads(a.claude_code.read_text()).items()
+                    if key != "thinking"}
+            t0 = time.perf_counter()
+            r = client.post(base + "/v1/messages", json={**body, "max_tokens": 1,
+                                                         "stream": False})
+            secs = time.perf_counter() - t0
+            r.raise_for_status()
+            usage = r.json().get("usage", {})
+            ptoks = sum(usage.get(key) or 0 for key in (
+                "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+            rec = {"server": a.server, "model": Path(a.model).name, "extra": a.extra,
+                   "target": "claude-code", "prompt_tokens": ptoks, "seconds": round(secs, 3),
+                   "tok_s": round(ptoks / secs, 1) if ptoks else None}
+            print(json.dumps(rec), flush=True)
+            with (out / "results.jsonl").open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+            return
         for i, n in enumerate(int(x) for x in a.lengths.split(",")):
             text = words(n, a.seed * 1000 + i)
             perf = None
