@@ -13,7 +13,12 @@ is reported beside it. With ``--perf`` the lengths listed are recorded with
 With ``--claude-code BODY.json`` (a request benchmarks/claude_code_body.py captured from the
 pinned Claude Code) the prompt is instead that real first request of an agent, sent to
 ``/v1/messages`` as it came but for ``max_tokens`` 1, no streaming and no extended thinking
-(a 1-token answer leaves no room for a thinking budget).
+(a 1-token answer leaves no room for a thinking budget), with a short system block of its
+own so that nothing of it is cached; ``--repeat N`` sends N such new conversations, one
+after another (the first request after start is slower on both servers)::
+
+    python benchmarks/cold_prefill.py --server butter --model M.gguf \
+        --claude-code /tmp/claude-code-body.json --repeat 2 --out /tmp/cc
 """
 
 from __future__ import annotations
@@ -48,6 +53,38 @@ def words(n_tokens: int, seed: int) -> str:
     return " ".join(out)
 
 
+def claude_code_turn(client: httpx.Client, base: str, a: argparse.Namespace,
+                     run: int) -> dict[str, object]:
+    """The captured Claude Code request, answered with one token: a new conversation each
+    run (a system block of its own after the billing header, so neither server has any of
+    it cached), the model the server serves, no streaming and no extended thinking."""
+    body = {key: value for key, value in json.loads(a.claude_code.read_text()).items()
+            if key != "thinking"}
+    system = list(body["system"])
+    body["system"] = [system[0], {"type": "text", "text": f"Session {a.seed * 1000 + run}."},
+                      *system[1:]]
+    # (the captured body names the CLI's model: ask for the one served instead)
+    served = client.get(base + "/v1/models").json()["data"][0]["id"]
+    t0 = time.perf_counter()
+    r = client.post(base + "/v1/messages", json={**body, "model": served, "max_tokens": 1,
+                                                 "stream": False})
+    secs = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise SystemExit(f"{a.server} answered {r.status_code}: {r.text[:2000]}")
+    usage = r.json().get("usage", {})
+    ptoks = sum(usage.get(key) or 0 for key in (
+        "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+    return {"server": a.server, "model": Path(a.model).name, "extra": a.extra,
+            "target": "claude-code", "run": run, "prompt_tokens": ptoks,
+            "seconds": round(secs, 3), "tok_s": round(ptoks / secs, 1) if ptoks else None}
+
+
+def record(out: Path, rec: dict[str, object]) -> None:
+    print(json.dumps(rec), flush=True)
+    with (out / "results.jsonl").open("a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", choices=["butter", "llama-server"], required=True)
@@ -63,6 +100,8 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/cold_prefill")
     ap.add_argument("--claude-code", type=Path,
                     help="a captured Claude Code request body to send instead of --lengths")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="with --claude-code: new conversations one after another")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,22 +132,8 @@ def main() -> None:
 
         ask(words(64, 999))  # warm: threads started, weights paged in
         if a.claude_code is not None:
-            body = {key: value for key, value in json.loads(a.claude_code.read_text()).items()
-                    if key != "thinking"}
-            t0 = time.perf_counter()
-            r = client.post(base + "/v1/messages", json={**body, "max_tokens": 1,
-                                                         "stream": False})
-            secs = time.perf_counter() - t0
-            r.raise_for_status()
-            usage = r.json().get("usage", {})
-            ptoks = sum(usage.get(key) or 0 for key in (
-                "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
-            rec = {"server": a.server, "model": Path(a.model).name, "extra": a.extra,
-                   "target": "claude-code", "prompt_tokens": ptoks, "seconds": round(secs, 3),
-                   "tok_s": round(ptoks / secs, 1) if ptoks else None}
-            print(json.dumps(rec), flush=True)
-            with (out / "results.jsonl").open("a") as f:
-                f.write(json.dumps(rec) + "\n")
+            for run in range(a.repeat):
+                record(out, claude_code_turn(client, base, a, run))
             return
         for i, n in enumerate(int(x) for x in a.lengths.split(",")):
             text = words(n, a.seed * 1000 + i)
