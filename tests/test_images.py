@@ -29,6 +29,7 @@ from butter.chat.images import (
     DEFAULT_MAX_IMAGE_PIXELS,
     DEFAULT_MAX_IMAGES,
     ImageLimits,
+    RecentImages,
     check_image_count,
     content_key,
     decode_image,
@@ -475,7 +476,8 @@ def test_a_model_without_a_projector_refuses_images(resident: ResidentModel) -> 
 def test_a_model_with_a_projector_decodes_each_image_within_its_limits() -> None:
     seeing = cast(ResidentModel, SimpleNamespace(
         model_id="tiny", backend=SimpleNamespace(vision=True),
-        image_limits=ImageLimits(max_images=2, max_pixels=100)))
+        image_limits=ImageLimits(max_images=2, max_pixels=100),
+        recent_images=RecentImages(2**20)))
     other = encoded(Image.new("RGB", (3, 3), (9, 9, 9)))
     decoded = decode_images(seeing, prompt_with(image_of(PNG), image_of(other)))
     assert [(image.width, image.height) for image in decoded] == [(6, 4), (3, 3)]
@@ -485,6 +487,49 @@ def test_a_model_with_a_projector_decodes_each_image_within_its_limits() -> None
     with pytest.raises(InvalidRequest, match="110 pixels") as refused:
         decode_images(seeing, prompt_with(image_of(PNG), image_of(big, "images[1]")))
     assert refused.value.param == "images[1]"
+
+
+def test_recent_images_decode_a_file_sent_again_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import butter.chat.images as images_module
+
+    decoded: list[str] = []
+    real = images_module.decode_image
+
+    def counted(image: ImageInput, limits: ImageLimits) -> Any:
+        decoded.append(image.data)
+        return real(image, limits)
+
+    monkeypatch.setattr(images_module, "decode_image", counted)
+    recent = RecentImages(2**20)
+    first = recent.decode(image_of(PNG), LIMITS)
+    assert recent.decode(image_of(PNG, "messages[4].content[1]"), LIMITS) is first
+    assert decoded == [PNG]  # (the same file in a later turn: not decoded again)
+    other = encoded(squares(5, 4))
+    assert recent.decode(image_of(other), LIMITS).key != first.key
+    # Under other limits the file is decoded again (and may be refused there).
+    with pytest.raises(InvalidRequest, match="more than the limit"):
+        recent.decode(image_of(PNG), ImageLimits(max_pixels=10))
+    assert decoded == [PNG, other, PNG]
+    # A refusal is not kept: the same bad file is refused each time, and decoded each time.
+    for _ in range(2):
+        with pytest.raises(InvalidRequest, match="not valid base64"):
+            recent.decode(image_of("@@@@"), LIMITS)
+    assert decoded[-2:] == ["@@@@", "@@@@"]
+
+
+def test_recent_images_hold_at_most_their_bytes_newest_kept() -> None:
+    files = [encoded(squares(4 + index, 4)) for index in range(6)]
+    sizes = [(4 + index) * 4 * 3 for index in range(6)]
+    recent = RecentImages(sum(sizes[-3:]))  # room for the last three
+    kept = [recent.decode(image_of(data), LIMITS) for data in files]
+    assert recent.held_bytes == sum(sizes[-3:])
+    assert all(recent.decode(image_of(data), LIMITS) is image
+               for data, image in zip(files[-3:], kept[-3:], strict=True))
+    assert recent.decode(image_of(files[0]), LIMITS) is not kept[0]  # (pushed out)
+    assert recent.held_bytes <= recent.max_bytes
+    too_big = RecentImages(10)  # one image is more than it holds: none is kept
+    assert too_big.decode(image_of(PNG), LIMITS) is not too_big.decode(image_of(PNG), LIMITS)
+    assert too_big.held_bytes == 0
 
 
 # ---------------------------------------------------------------- through a real server

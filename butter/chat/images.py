@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import collections
 import hashlib
 import io
+import threading
 from typing import TYPE_CHECKING
 
 import attrs
@@ -35,6 +37,8 @@ DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20
 DEFAULT_MAX_IMAGE_PIXELS = 50_000_000
 # Per request, counted in every message (a conversation's earlier images too).
 DEFAULT_MAX_IMAGES = 16
+# The pixels RecentImages keeps decoded: ten 1920 x 1080 screenshots.
+RECENT_IMAGE_BYTES = 64 * 2**20
 
 # Pillow's names of the formats taken (GIF, animated WebP and APNG: their first frame).
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -103,6 +107,45 @@ def decode_image(image: ImageInput, limits: ImageLimits) -> DecodedImage:
     rgb = upright.tobytes()
     return DecodedImage(key=content_key(upright.width, upright.height, rgb),
                         width=upright.width, height=upright.height, rgb=rgb)
+
+
+class RecentImages:
+    """The images decoded lately, by a hash of the file as the client sent it and the limits
+    it was decoded under: a conversation sends its images again with every turn, and
+    decoding a screenshot again costs more than the returning turn's prefill. Holds at most
+    `max_bytes` of pixels (least recently used out first); refusals are not kept.
+    Thread-safe: requests are prepared on worker threads."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._images: collections.OrderedDict[str, DecodedImage] = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def decode(self, image: ImageInput, limits: ImageLimits) -> DecodedImage:
+        """decode_image's result: from memory when this file was decoded lately."""
+        digest = hashlib.sha256(repr(limits).encode())
+        digest.update(image.data.encode())
+        name = digest.hexdigest()
+        with self._lock:
+            kept = self._images.get(name)
+            if kept is not None:
+                self._images.move_to_end(name)
+                return kept
+        decoded = decode_image(image, limits)  # (outside the lock: it takes a while)
+        if len(decoded.rgb) <= self.max_bytes:
+            with self._lock:
+                if name not in self._images:
+                    self._images[name] = decoded
+                    self._bytes += len(decoded.rgb)
+                while self._bytes > self.max_bytes:
+                    self._bytes -= len(self._images.popitem(last=False)[1].rgb)
+        return decoded
+
+    @property
+    def held_bytes(self) -> int:
+        """The pixels held, in bytes."""
+        return self._bytes
 
 
 def _file_bytes(image: ImageInput, max_bytes: int) -> bytes:

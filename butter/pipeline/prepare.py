@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 
 from butter.backends.base import BackendError, PromptImage
-from butter.chat.images import DecodedImage, check_image_count, decode_image
+from butter.chat.images import DecodedImage, check_image_count
 from butter.chat.markup import THINK_CLOSE, THINK_OPEN
 from butter.chat.request import ChatPrompt, GenerationRequest, TokenPrompt
 from butter.chat.template import final_message_content
@@ -299,4 +299,4 @@ def decode_images(resident: ResidentModel, prompt: ChatPrompt) -> list[DecodedIm
             "llama-server's --mmproj) to send it images", param=images[0].param)
     limits = resident.image_limits
     check_image_count(len(images), limits)
-    return [decode_image(image, limits) for image in images]
+    return [resident.recent_images.decode(image, limits) for image in images]

