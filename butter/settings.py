@@ -236,7 +236,8 @@ class ServeSettings:
     mmproj: str | None = flag(
         None, metavar="PATH", group=MODEL,
         help="a vision projector GGUF (llama-server's --mmproj) for --model: its prompts may "
-             "then hold images (LLaVA-style, Qwen-VL, Qwen3.5 and Gemma 3 vision towers). "
+             "then hold images (LLaVA-style, Qwen-VL, Qwen3.5, Gemma 3 and SmolVLM vision "
+             "towers). "
              "One that does not fit the model, or that butter cannot evaluate (audio-only), "
              "stops the server with the reason; loaded and released with --model, not with "
              "a model a request swaps in; llama.cpp only (default: none)")

@@ -515,6 +515,9 @@ def test_recent_images_decode_a_file_sent_again_once(monkeypatch: pytest.MonkeyP
         with pytest.raises(InvalidRequest, match="not valid base64"):
             recent.decode(image_of("@@@@"), LIMITS)
     assert decoded[-2:] == ["@@@@", "@@@@"]
+    recent.clear()  # (a model closed: its images go with it)
+    assert recent.held_bytes == 0
+    assert recent.decode(image_of(PNG), LIMITS) is not first
 
 
 def test_recent_images_hold_at_most_their_bytes_newest_kept() -> None:

@@ -13,14 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 
 from butter.backends.base import image_token_ids
 from butter.backends.llama_cpp import LlamaCppBackend
-from butter.backends.llama_cpp.vision import PENDING_IMAGES
-from butter.testing.tiny_mmproj import idefics3_grid, idefics3_image_tokens
+from butter.backends.llama_cpp import vision as vision_module
+from butter.backends.llama_cpp.vision import PENDING_IMAGES, Projector
+from butter.errors import InvalidRequest
+from butter.testing.tiny_mmproj import (
+    idefics3_grid,
+    idefics3_image_tokens,
+    write_tiny_idefics3_mmproj_gguf,
+)
 from tests.conftest import ServerProcess
 from tests.test_e2e_images import openai_turn, png, with_image
 from tests.test_vision_backend import N_BATCH, Reference, _generate, _image, _prompt, _same
@@ -100,6 +107,64 @@ def test_pieces_tokenized_again_give_the_same_bits(backend: LlamaCppBackend,
     tokens, logits = _generate(backend, ids, images)
     expected_tokens, expected_logits = reference.generate(picture)
     assert tokens == expected_tokens and _same(logits, expected_logits)
+
+
+def test_pictures_of_more_pieces_than_pending_holds_are_tokenized_again_at_most_once(
+        tiny_idefics3_gguf: Path, tiny_idefics3_mmproj_gguf: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A picture of more pieces than PENDING_IMAGES keeps them all until its encode; of two
+    such pictures, the older one's are dropped and each is tokenized again once, with the
+    same bits as when nothing is dropped."""
+    retokenized: list[int] = []
+    real = Projector._image_chunk
+
+    def counted(self: Projector, image: Any) -> Any:
+        retokenized.append(image.piece)
+        return real(self, image)
+
+    def backend() -> LlamaCppBackend:
+        return LlamaCppBackend(tiny_idefics3_gguf, n_cells=1024, n_seq=1, n_batch=N_BATCH,
+                               threads=2, fast_lm_head=False, mmproj=tiny_idefics3_mmproj_gguf)
+
+    monkeypatch.setattr(Projector, "_image_chunk", counted)
+    first, second = _image(20, 160, 128), _image(21, 160, 128)  # 5 x 4 tiles each
+    texts = ["look ", " and ", ""]
+    monkeypatch.setattr(vision_module, "PENDING_IMAGES", 64)  # (nothing dropped)
+    roomy = backend()
+    try:
+        expected = _generate(roomy, *roomy.tokenize_media(texts, [first, second], add_bos=True))
+    finally:
+        roomy.close()
+    assert retokenized == []
+    monkeypatch.setattr(vision_module, "PENDING_IMAGES", PENDING_IMAGES)
+    big = backend()
+    try:
+        ids, images = big.tokenize_media(["look ", ""], [first], add_bos=True)
+        assert len(images) == 21 > PENDING_IMAGES
+        _generate(big, ids, images)
+        assert retokenized == []  # (all 21 pieces kept until their encode)
+        both = _generate(big, *big.tokenize_media(texts, [first, second], add_bos=True))
+        assert retokenized == [0, 0]  # (each picture's first piece, once)
+        assert both[0] == expected[0] and _same(both[1], expected[1])
+    finally:
+        big.close()
+
+
+def test_a_picture_the_projector_refuses_is_the_clients_error(
+        tiny_idefics3_gguf: Path, tmp_path: Path) -> None:
+    projector = write_tiny_idefics3_mmproj_gguf(tmp_path / "smolvlm.gguf", longest_edge=64)
+    backend = LlamaCppBackend(tiny_idefics3_gguf, n_cells=256, n_seq=1, n_batch=N_BATCH,
+                              threads=1, mmproj=projector)
+    try:
+        with pytest.raises(ValueError):  # (libmtmd resizes a 200 x 1 picture to 64 x 0)
+            idefics3_grid(200, 1, longest_edge=64)
+        with pytest.raises(InvalidRequest, match="cannot take this image"):
+            backend.tokenize_media(["look ", ""], [_image(22, 200, 1)], add_bos=True)
+        _, images = backend.tokenize_media(["look ", ""], [_image(23, 64, 32)],
+                                           add_bos=True)  # (the projector still serves)
+        assert len(images) == 3
+    finally:
+        backend.close()
 
 
 def test_a_sliced_picture_is_counted_cached_and_told_apart_end_to_end(

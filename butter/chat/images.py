@@ -142,6 +142,12 @@ class RecentImages:
                     self._bytes -= len(self._images.popitem(last=False)[1].rgb)
         return decoded
 
+    def clear(self) -> None:
+        """Forget every image."""
+        with self._lock:
+            self._images.clear()
+            self._bytes = 0
+
     @property
     def held_bytes(self) -> int:
         """The pixels held, in bytes."""

@@ -277,3 +277,4 @@ class ResidentModel:
 
     def close(self) -> None:
         self.backend.close()
+        self.recent_images.clear()  # (a request still holding this model keeps no pixels)

@@ -24,7 +24,7 @@ import ctypes
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,22 @@ import numpy as np
 from butter.backends.base import BackendError, ImageGrid, PromptImage, image_token_ids
 from butter.backends.gguf_tensors import GgufFormatError, read_header
 from butter.chat.images import DecodedImage
-from butter.errors import ModelLoadError
+from butter.errors import InvalidRequest, ModelLoadError
 
 # The embeddings of the last few images encoded, by key: a work may hold only part of an
 # image (a prompt chunk ends inside it, or a cached prefix does), and the next work its rest.
 EMBEDDING_CACHE_IMAGES = 4
 # Images tokenized for a prompt (libmtmd resized and normalized them then), kept by key
-# until the step that encodes them: at most this many, the oldest dropped (it is then
-# tokenized again, on the backend's thread).
+# until the step that encodes them: at most this many, the oldest pictures' dropped (they
+# are then tokenized again, on the backend's thread), but never the newest picture's pieces
+# (a picture a projector slices may hold more).
 PENDING_IMAGES = 16
+# What libmtmd made of the last pictures tokenized (their ids and pieces), by key: a
+# conversation sends its pictures again with every turn, and libmtmd resizes and normalizes
+# a picture each time it tokenizes it.
+LAYOUT_CACHE_PICTURES = 256
+# mtmd_tokenize's status when its tokenizer threw (a picture its preprocessing refuses).
+_TOKENIZE_REFUSED = 2
 # ggml's log levels (ggml.h): an error, and the continuation of the line before.
 _LOG_ERROR, _LOG_CONT = 4, 5
 # The GGUF keys that name a projector's type (a file with vision and audio names each).
@@ -135,9 +142,14 @@ class Projector:
         self.type = projector_type(path)
         self.ctx: Any = None
         self.batch: Any = None
-        self._pending: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        # a piece's key: its picture's key and its chunk
+        self._pending: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
         self._pending_lock = threading.Lock()
         self._embeddings: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self._layouts: collections.OrderedDict[str, _Layout] = collections.OrderedDict()
+        self._layouts_lock = threading.Lock()
+        self.splices = False  # (until the load's check says a picture's layout may be reused)
+        self.vocab = ll.llama_model_get_vocab(model)
         self.encoded_images = 0
         self.encode_seconds = 0.0
         params = mtmd.mtmd_context_params_default()
@@ -168,6 +180,7 @@ class Projector:
             self.non_causal = bool(mtmd.mtmd_decode_use_non_causal(ctx, None))
             if self.non_causal:
                 self._fits_one_batch()
+            self.splices = self._splicing_agrees()
         except BaseException:
             self.free()
             raise
@@ -182,16 +195,37 @@ class Projector:
     def _fits_one_batch(self) -> None:
         """Tokenize a small picture: a non-causal projector whose images (of a fixed size,
         as Gemma 3's are) take more rows than a step's batch cannot serve."""
-        grey = DecodedImage("0" * 64, 64, 64, bytes([128]) * (64 * 64 * 3))
         try:
-            _, placed = self.tokenize(["", ""], [grey], add_bos=False)
-        except BackendError as exc:
+            self._probe(lambda: self._whole(["", ""], [_probe_picture(128)], add_bos=False))
+        except (BackendError, InvalidRequest) as exc:
             raise ModelLoadError(f"the projector {self.path}: {exc}") from None
-        with self._pending_lock:  # (the probe is never encoded)
+
+    def _splicing_agrees(self) -> bool:
+        """Whether a prompt spliced from its texts and its pictures' own layouts is the one
+        libmtmd makes of it whole, on two pictures, one of them twice (a projector whose
+        layout depends on a picture's place in the prompt is never spliced)."""
+        texts = ["look: ", " and ", "", " now"]
+        pictures = [_probe_picture(60), _probe_picture(200), _probe_picture(60)]
+        try:
+            whole = self._probe(lambda: self._whole(texts, pictures, add_bos=True))
+            spliced = self._probe(lambda: self._spliced(texts, pictures, add_bos=True))
+        except (BackendError, InvalidRequest):
+            return False
+        finally:
+            with self._layouts_lock:
+                self._layouts.clear()
+        return _placements(whole) == _placements(spliced)
+
+    def _probe(self, tokenize: Callable[[], tuple[list[int], list[PromptImage]]]
+               ) -> tuple[list[int], list[PromptImage]]:
+        """A load's probe tokenized, its images never to be encoded."""
+        ids, placed = tokenize()
+        with self._pending_lock:
             probes = [self._pending.pop(image.key, None) for image in placed]
-        for chunk in probes:
-            if chunk is not None:
-                mtmd.mtmd_input_chunk_free(chunk)
+        for probe in probes:
+            if probe is not None:
+                mtmd.mtmd_input_chunk_free(probe[1])
+        return ids, placed
 
     # ------------------------------------------------------------------ prompts
 
@@ -205,21 +239,90 @@ class Projector:
         if len(texts) != len(images) + 1:
             raise BackendError(f"{len(texts)} text pieces for {len(images)} images: there "
                                "must be one more")
+        if self.splices:
+            return self._spliced(texts, images, add_bos=add_bos)
+        return self._whole(texts, images, add_bos=add_bos)
+
+    def _spliced(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+                 add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        """tokenize's result put together as libmtmd's tokenizer does (each text piece
+        tokenized alone, special tokens parsed; each picture's own layout; BOS first and EOS
+        last where `add_bos` and the vocabulary asks), a picture tokenized only the first
+        time it is seen (LAYOUT_CACHE_PICTURES)."""
+        layouts = [self._layout(image) for image in images]
+        ids: list[int] = []
+        if add_bos and ll.llama_vocab_get_add_bos(self.vocab):
+            ids.append(int(ll.llama_vocab_bos(self.vocab)))
+        placed: list[PromptImage] = []
+        for index, text in enumerate(texts):
+            ids += self._text_ids(text)
+            if index < len(layouts):
+                offset = len(ids)
+                placed += [attrs.evolve(piece, start=offset + piece.start, image=images[index])
+                           for piece in layouts[index].pieces]
+                ids += layouts[index].ids
+        if add_bos and ll.llama_vocab_get_add_eos(self.vocab):
+            ids.append(int(ll.llama_vocab_eos(self.vocab)))
+        return ids, placed
+
+    def _layout(self, image: DecodedImage) -> _Layout:
+        """What libmtmd makes of the picture alone: from the cache, else tokenized now (its
+        chunks kept for their encode)."""
+        with self._layouts_lock:
+            known = self._layouts.get(image.key)
+            if known is not None:
+                self._layouts.move_to_end(image.key)
+                return known
+        ids, pieces = self._whole([""], [image], add_bos=False, alone=True)
+        layout = _Layout(tuple(ids), tuple(pieces))
+        with self._layouts_lock:
+            self._layouts[image.key] = layout
+            while len(self._layouts) > LAYOUT_CACHE_PICTURES:
+                self._layouts.popitem(last=False)
+        return layout
+
+    def _text_ids(self, text: str) -> list[int]:
+        """A text piece's tokens as libmtmd's tokenizer makes them (llama_tokenize, special
+        tokens parsed, nothing added)."""
+        data = text.encode("utf-8")
+        if not data:
+            return []
+        room = len(data) + 2
+        tokens = (ll.llama_token * room)()
+        count = ll.llama_tokenize(self.vocab, data, len(data), tokens, room, False, True)
+        if count < 0:
+            raise BackendError(f"llama.cpp could not tokenize a text piece ({count})")
+        return list(tokens[:count])
+
+    def _whole(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
+               add_bos: bool, alone: bool = False) -> tuple[list[int], list[PromptImage]]:
+        """tokenize's result from libmtmd's mtmd_tokenize_from_parts over the whole prompt
+        (`alone`: `texts` is [""] and the picture's layout is all that is asked for)."""
+        if alone:
+            texts = []
         encoded = [text.encode("utf-8") for text in texts]
         inputs = [mtmd.mtmd_input_text(data, len(data), False, True) for data in encoded]
         # Each bitmap's id is its place in the prompt, so that every chunk libmtmd makes of
         # it (a slicing projector makes several) says which picture it is, even when one
         # picture is sent twice.
         bitmaps = [_bitmap(image, str(index)) for index, image in enumerate(images)]
-        parts = [mtmd.mtmd_input_part(ctypes.pointer(inputs[0]), None)]
-        for bitmap, text in zip(bitmaps, inputs[1:], strict=True):
-            parts.append(mtmd.mtmd_input_part(None, bitmap))
-            parts.append(mtmd.mtmd_input_part(ctypes.pointer(text), None))
+        if alone:
+            parts = [mtmd.mtmd_input_part(None, bitmaps[0])]
+        else:
+            parts = [mtmd.mtmd_input_part(ctypes.pointer(inputs[0]), None)]
+            for bitmap, text in zip(bitmaps, inputs[1:], strict=True):
+                parts.append(mtmd.mtmd_input_part(None, bitmap))
+                parts.append(mtmd.mtmd_input_part(ctypes.pointer(text), None))
         array = (ctypes.POINTER(mtmd.mtmd_input_part) * len(parts))(
             *(ctypes.pointer(part) for part in parts))
         chunks = mtmd.mtmd_input_chunks_init()
         try:
             status = mtmd.mtmd_tokenize_from_parts(self.ctx, chunks, array, len(parts), add_bos)
+            if status == _TOKENIZE_REFUSED:  # (the image itself: a client's request)
+                raise InvalidRequest(
+                    f"the model's projector ({self.type or 'unknown type'}) cannot take "
+                    f"{'this image' if alone else 'an image of the request'} (libmtmd refused "
+                    "it, e.g. for an aspect ratio its resizing cannot follow)")
             if status != 0:
                 raise BackendError(f"libmtmd could not tokenize the prompt's images (status "
                                    f"{status})")
@@ -233,7 +336,7 @@ class Projector:
                      ) -> tuple[list[int], list[PromptImage]]:
         ids: list[int] = []
         placed: list[PromptImage] = []
-        kept: list[tuple[str, Any]] = []
+        kept: list[tuple[str, str, Any]] = []
         pictures = 0  # of `images`, those met so far (a sliced one: several chunks)
         try:
             for index in range(mtmd.mtmd_input_chunks_size(chunks)):
@@ -267,28 +370,34 @@ class Projector:
                         f"a batch holds {self.n_batch} rows: raise --prefill-chunk")
                 placed.append(PromptImage(len(ids), n_tokens, image, grid, causal, piece))
                 ids += image_token_ids(placed[-1].key, n_tokens)
-                kept.append((placed[-1].key, mtmd.mtmd_input_chunk_copy(chunk)))
+                kept.append((placed[-1].key, image.key, mtmd.mtmd_input_chunk_copy(chunk)))
             if pictures != len(images):
                 raise BackendError(f"libmtmd placed {pictures} of {len(images)} images")
         except BaseException:
-            for _, chunk in kept:
+            for _, _, chunk in kept:
                 mtmd.mtmd_input_chunk_free(chunk)
             raise
         self._keep(kept)
         return ids, placed
 
-    def _keep(self, chunks: list[tuple[str, Any]]) -> None:
-        """Keep tokenized images for their encode (at most PENDING_IMAGES, newest last)."""
+    def _keep(self, chunks: list[tuple[str, str, Any]]) -> None:
+        """Keep tokenized images (piece key, picture key, chunk) for their encode: at most
+        PENDING_IMAGES, the oldest pictures' pieces dropped first, never the newest's."""
         dropped = []
         with self._pending_lock:
-            for key, chunk in chunks:
+            for key, picture, chunk in chunks:
                 if key in self._pending:
                     dropped.append(chunk)
                     self._pending.move_to_end(key)
                 else:
-                    self._pending[key] = chunk
+                    self._pending[key] = (picture, chunk)
+            newest = next(reversed(self._pending.values()))[0] if self._pending else None
             while len(self._pending) > PENDING_IMAGES:
-                dropped.append(self._pending.popitem(last=False)[1])
+                key, (picture, chunk) = next(iter(self._pending.items()))
+                if picture == newest:
+                    break
+                del self._pending[key]
+                dropped.append(chunk)
         for chunk in dropped:
             mtmd.mtmd_input_chunk_free(chunk)
 
@@ -303,7 +412,8 @@ class Projector:
             self._embeddings.move_to_end(image.key)
             return cached
         with self._pending_lock:
-            chunk = self._pending.pop(image.key, None)
+            kept = self._pending.pop(image.key, None)
+        chunk = kept[1] if kept is not None else None
         if chunk is None:  # (dropped, or never tokenized here: a restored prompt)
             chunk = self._image_chunk(image)
         try:
@@ -343,7 +453,8 @@ class Projector:
             if image.piece >= len(pieces):
                 raise BackendError(f"libmtmd made {len(pieces)} image chunks of a picture, "
                                    f"not {image.piece + 1}")
-            self._keep([(attrs.evolve(image, piece=index).key, mtmd.mtmd_input_chunk_copy(chunk))
+            self._keep([(attrs.evolve(image, piece=index).key, image.image.key,
+                         mtmd.mtmd_input_chunk_copy(chunk))
                         for index, chunk in enumerate(pieces) if index > image.piece])
             return mtmd.mtmd_input_chunk_copy(pieces[image.piece])
         finally:
@@ -362,7 +473,7 @@ class Projector:
         """Free libmtmd's context, the batch and the images kept (before the text model)."""
         with self._pending_lock:
             pending, self._pending = list(self._pending.values()), collections.OrderedDict()
-        for chunk in pending:
+        for _, chunk in pending:
             mtmd.mtmd_input_chunk_free(chunk)
         self._embeddings.clear()
         if self.batch is not None:
@@ -371,6 +482,27 @@ class Projector:
         if self.ctx is not None:
             mtmd.mtmd_free(self.ctx)
             self.ctx = None
+
+
+@attrs.frozen
+class _Layout:
+    """What libmtmd makes of one picture: its ids (the text the projector puts around and
+    between its pieces, and each piece's image ids) and its pieces, placed from 0."""
+
+    ids: tuple[int, ...]
+    pieces: tuple[PromptImage, ...]
+
+
+def _placements(prompt: tuple[list[int], list[PromptImage]]) -> tuple[object, ...]:
+    """A tokenized prompt as values (PromptImage compares by identity)."""
+    ids, placed = prompt
+    return (tuple(ids), *((image.start, image.n_tokens, image.image.key, image.grid,
+                           image.causal, image.piece) for image in placed))
+
+
+def _probe_picture(shade: int) -> DecodedImage:
+    """A small flat picture for a load's probes (its key only names it)."""
+    return DecodedImage(f"{shade:064x}", 64, 64, bytes([shade]) * (64 * 64 * 3))
 
 
 def _grid(chunk: Any, n_tokens: int, n_pos: int) -> ImageGrid:
