@@ -103,6 +103,34 @@ def _vision_tensors(rng: np.random.Generator, *, n_embd_text: int, n_pos: int,
     return tensors
 
 
+def _projector_writer(partial: pathlib.Path, *, name: str, projector_type: str,
+                      n_embd_text: int, image_size: int, patch_size: int,
+                      mean: tuple[float, ...], std: tuple[float, ...],
+                      gelu: bool) -> gguf.GGUFWriter:
+    """A projector GGUF's writer with the keys every tower here shares, in libmtmd's
+    names: its type, the text model's width (what libmtmd checks the projector against),
+    the image and patch sizes, the tower's shape (V_*), the pixel normalisation, and
+    whether its MLP is GELU (tanh) or CLIP's quick GELU. Each writer adds its own keys."""
+    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
+    writer.add_type(gguf.GGUFType.MMPROJ)
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_clip_projector_type(projector_type)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_vision_projection_dim(n_embd_text)
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(V_EMBD)
+    writer.add_vision_feed_forward_length(V_FF)
+    writer.add_vision_block_count(V_LAYER)
+    writer.add_vision_head_count(V_HEAD)
+    writer.add_vision_attention_layernorm_eps(V_EPS)
+    writer.add_vision_image_mean(list(mean))
+    writer.add_vision_image_std(list(std))
+    writer.add_vision_use_gelu(gelu)
+    return writer
+
+
 def write_tiny_mmproj_gguf(
     path: str | os.PathLike[str],
     *,
@@ -121,23 +149,10 @@ def write_tiny_mmproj_gguf(
         raise ValueError(f"image_size {image_size} is no multiple of patch_size {patch_size}")
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_projector_type(PROJECTOR_TYPE)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(n_embd_text)
-    writer.add_vision_image_size(image_size)
-    writer.add_vision_patch_size(patch_size)
-    writer.add_vision_embedding_length(V_EMBD)
-    writer.add_vision_feed_forward_length(V_FF)
-    writer.add_vision_block_count(V_LAYER)
-    writer.add_vision_head_count(V_HEAD)
-    writer.add_vision_attention_layernorm_eps(V_EPS)
-    writer.add_vision_image_mean(list(IMAGE_MEAN))
-    writer.add_vision_image_std(list(IMAGE_STD))
-    writer.add_vision_use_gelu(False)  # CLIP's quick GELU inside the vision blocks
+    writer = _projector_writer(partial, name=name, projector_type=PROJECTOR_TYPE,
+                               n_embd_text=n_embd_text, image_size=image_size,
+                               patch_size=patch_size, mean=IMAGE_MEAN, std=IMAGE_STD,
+                               gelu=False)  # CLIP's quick GELU inside the vision blocks
     rng = np.random.default_rng(seed)
     n_pos = image_tokens(image_size=image_size, patch_size=patch_size)
     for tensor_name, tensor in _vision_tensors(rng, n_embd_text=n_embd_text, n_pos=n_pos,
@@ -282,25 +297,13 @@ def write_tiny_qwen_vl_mmproj_gguf(
         raise ValueError(f"patch_size {patch_size} is not positive")
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_projector_type(QWEN_VL_PROJECTOR_TYPE)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(n_embd_text)
-    # The side of the learned position grid, in pixels (as convert_hf_to_gguf derives it);
-    # libmtmd only checks it, images keep their own size.
-    writer.add_vision_image_size(QWEN_VL_POS_SIDE * patch_size)
-    writer.add_vision_patch_size(patch_size)
-    writer.add_vision_embedding_length(V_EMBD)
-    writer.add_vision_feed_forward_length(V_FF)
-    writer.add_vision_block_count(V_LAYER)
-    writer.add_vision_head_count(V_HEAD)
-    writer.add_vision_attention_layernorm_eps(V_EPS)
-    writer.add_vision_image_mean(list(QWEN_VL_IMAGE_MEAN))
-    writer.add_vision_image_std(list(QWEN_VL_IMAGE_STD))
-    writer.add_vision_use_gelu(True)  # Qwen3-VL's vision MLP: GELU (tanh), not quick GELU
+    # image_size: the side of the learned position grid, in pixels (as convert_hf_to_gguf
+    # derives it); libmtmd only checks it, images keep their own size.
+    writer = _projector_writer(partial, name=name, projector_type=QWEN_VL_PROJECTOR_TYPE,
+                               n_embd_text=n_embd_text,
+                               image_size=QWEN_VL_POS_SIDE * patch_size,
+                               patch_size=patch_size, mean=QWEN_VL_IMAGE_MEAN,
+                               std=QWEN_VL_IMAGE_STD, gelu=True)
     writer.add_vision_spatial_merge_size(QWEN_VL_MERGE)
     writer.add_vision_is_deepstack_layers([False] * V_LAYER)
     rng = np.random.default_rng(seed)
@@ -423,23 +426,11 @@ def write_tiny_gemma3_mmproj_gguf(
                          f"pool {pool}")
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_projector_type(GEMMA3_PROJECTOR_TYPE)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(n_embd_text)
-    writer.add_vision_image_size(image_size)
-    writer.add_vision_patch_size(patch_size)
-    writer.add_vision_embedding_length(V_EMBD)
-    writer.add_vision_feed_forward_length(V_FF)
-    writer.add_vision_block_count(V_LAYER)
-    writer.add_vision_head_count(V_HEAD)
-    writer.add_vision_attention_layernorm_eps(V_EPS)  # also the soft_emb_norm's epsilon
-    writer.add_vision_image_mean(list(GEMMA3_IMAGE_MEAN))
-    writer.add_vision_image_std(list(GEMMA3_IMAGE_STD))
-    writer.add_vision_use_gelu(True)  # SigLIP's MLP: GELU (tanh), not quick GELU
+    # (V_EPS is also the soft_emb_norm's epsilon)
+    writer = _projector_writer(partial, name=name, projector_type=GEMMA3_PROJECTOR_TYPE,
+                               n_embd_text=n_embd_text, image_size=image_size,
+                               patch_size=patch_size, mean=GEMMA3_IMAGE_MEAN,
+                               std=GEMMA3_IMAGE_STD, gelu=True)  # SigLIP's MLP
     # libmtmd defaults it to Gemma 3's 4 and reads it when present (convert_hf_to_gguf
     # writes it only for other values); written always, so the file says what it pools.
     writer.add_vision_projector_scale_factor(pool)
@@ -615,23 +606,10 @@ def write_tiny_idefics3_mmproj_gguf(
         raise ValueError(f"longest_edge {longest_edge} is not positive")
     target = pathlib.Path(path)
     partial = target.with_name(target.name + ".partial")
-    writer = gguf.GGUFWriter(partial, arch=gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
-    writer.add_type(gguf.GGUFType.MMPROJ)
-    writer.add_name(name)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
-    writer.add_clip_projector_type(IDEFICS3_PROJECTOR_TYPE)
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_vision_projection_dim(n_embd_text)
-    writer.add_vision_image_size(image_size)
-    writer.add_vision_patch_size(patch_size)
-    writer.add_vision_embedding_length(V_EMBD)
-    writer.add_vision_feed_forward_length(V_FF)
-    writer.add_vision_block_count(V_LAYER)
-    writer.add_vision_head_count(V_HEAD)
-    writer.add_vision_attention_layernorm_eps(V_EPS)
-    writer.add_vision_image_mean(list(IDEFICS3_IMAGE_MEAN))
-    writer.add_vision_image_std(list(IDEFICS3_IMAGE_STD))
-    writer.add_vision_use_gelu(True)  # SigLIP's MLP: GELU (tanh), not quick GELU
+    writer = _projector_writer(partial, name=name, projector_type=IDEFICS3_PROJECTOR_TYPE,
+                               n_embd_text=n_embd_text, image_size=image_size,
+                               patch_size=patch_size, mean=IDEFICS3_IMAGE_MEAN,
+                               std=IDEFICS3_IMAGE_STD, gelu=True)  # SigLIP's MLP
     writer.add_vision_projector_scale_factor(scale)  # libmtmd's default would be 1
     if longest_edge is not None:
         writer.add_vision_preproc_image_size(longest_edge)
