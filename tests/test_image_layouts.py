@@ -75,8 +75,12 @@ def test_a_spliced_prompt_is_libmtmds_whole_prompt(backend: LlamaCppBackend,
         again = backend.tokenize_media(texts, pictures, add_bos=add_bos)  # (layouts known)
         assert _placements(first) == _placements(whole)
         assert _placements(again) == _placements(whole)
-        assert all(image.image is pictures[0] or image.image in pictures
-                   for image in again[1])
+        # Each piece carries this request's own picture (piece 0 starts the next one).
+        starts = [index for index, image in enumerate(again[1]) if image.piece == 0]
+        assert len(starts) == len(pictures)
+        for picture, start, end in zip(pictures, starts, [*starts[1:], len(again[1])],
+                                       strict=True):
+            assert all(image.image is picture for image in again[1][start:end])
 
 
 def test_a_picture_seen_before_is_not_tokenized_by_libmtmd_again(

@@ -481,6 +481,9 @@ def test_a_model_with_a_projector_decodes_each_image_within_its_limits() -> None
     other = encoded(Image.new("RGB", (3, 3), (9, 9, 9)))
     decoded = decode_images(seeing, prompt_with(image_of(PNG), image_of(other)))
     assert [(image.width, image.height) for image in decoded] == [(6, 4), (3, 3)]
+    # The next turn sends them again: the model's recent images answer, nothing is decoded.
+    again = decode_images(seeing, prompt_with(image_of(other), image_of(PNG)))
+    assert again[0] is decoded[1] and again[1] is decoded[0]
     with pytest.raises(InvalidRequest, match="more than the limit of 2"):
         decode_images(seeing, prompt_with(*[image_of(PNG)] * 3))
     big = encoded(Image.new("RGB", (11, 10)))
