@@ -273,7 +273,7 @@ class Projector:
             if known is not None:
                 self._layouts.move_to_end(image.key)
                 return known
-        ids, pieces = self._whole([""], [image], add_bos=False, alone=True)
+        ids, pieces = self._whole([], [image], add_bos=False)
         layout = _Layout(tuple(ids), tuple(pieces))
         with self._layouts_lock:
             self._layouts[image.key] = layout
@@ -295,11 +295,10 @@ class Projector:
         return list(tokens[:count])
 
     def _whole(self, texts: Sequence[str], images: Sequence[DecodedImage], *,
-               add_bos: bool, alone: bool = False) -> tuple[list[int], list[PromptImage]]:
-        """tokenize's result from libmtmd's mtmd_tokenize_from_parts over the whole prompt
-        (`alone`: `texts` is [""] and the picture's layout is all that is asked for)."""
-        if alone:
-            texts = []
+               add_bos: bool) -> tuple[list[int], list[PromptImage]]:
+        """tokenize's result from libmtmd's mtmd_tokenize_from_parts over the whole prompt;
+        with no `texts`, one picture alone (its layout)."""
+        alone = not texts
         encoded = [text.encode("utf-8") for text in texts]
         inputs = [mtmd.mtmd_input_text(data, len(data), False, True) for data in encoded]
         # Each bitmap's id is its place in the prompt, so that every chunk libmtmd makes of
