@@ -28,10 +28,10 @@ TILE_HEADERS = [str(NATIVE / name) for name in (
     "q8_0_tiles.h", "q6_k_tiles.h", "q4_k_q5_k_tiles.h", "q4_1_q5_0_tiles.h")]
 LAYER_SOURCES = [str(NATIVE / name) for name in (
     "layer_matmul.cpp", "mirror.cpp", "ggml_mirror_check.cpp", "matmul.cpp", "attention.cpp",
-    "buffer_type.cpp", "self_check.cpp")]
+    "buffer_type.cpp", "self_check.cpp", "delta_net.cpp")]
 LAYER_HEADERS = [str(NATIVE / name) for name in (
     "layer_matmul.h", "ggml_abi.h", "ggml_mirror.h", "decode_attention.h",
-    "prompt_attention.h", "prompt_attention_avx512.h")]
+    "prompt_attention.h", "prompt_attention_avx512.h", "delta_net_rows.h")]
 # The folders of ggml's headers the mirror check includes, under BUTTER_GGML_SOURCE.
 GGML_HEADER_FOLDERS = ("include", "src", "src/ggml-cpu")
 

@@ -56,6 +56,9 @@ class TileBufferType : public ggml_mirror::extra_buffer_type {
             w->buffer->buft == buffer_type()) {
             return (ggml_mirror::tensor_traits *)w->extra;
         }
+        if (op->op == ggml_mirror::OP_GATED_DELTA_NET) {
+            return delta_net_path(op);
+        }
         return attention_path(op);
     }
 };

@@ -15,7 +15,7 @@
 #ifndef BUTTER_GGML_ABI_H
 #define BUTTER_GGML_ABI_H
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 12
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 13
 
 /* The ggml the mirror (ggml_mirror.h) was copied from: the llama.cpp commit that
  * llama-cpp-python 0.3.36 vendors (its submodule vendor/llama.cpp), ggml's version there,
@@ -49,7 +49,7 @@
 #define BUTTER_TYPE_BIT_Q4_K 32
 
 /* butter_layer_matmul_counters: how many, and each one's place. */
-#define BUTTER_COUNTERS 11
+#define BUTTER_COUNTERS 12
 #define BUTTER_COUNTER_Q8_0_MATRICES 0
 #define BUTTER_COUNTER_Q6_K_MATRICES 1
 #define BUTTER_COUNTER_Q5_K_MATRICES 2
@@ -61,10 +61,12 @@
 #define BUTTER_COUNTER_Q4_K_MATRICES 8
 #define BUTTER_COUNTER_ATTENTIONS 9
 #define BUTTER_COUNTER_ATTENTION_ROWS 10
+/* Gated DeltaNet ops (delta_net.cpp) */
+#define BUTTER_COUNTER_DELTA_NETS 11
 
 /* butter_layer_matmul_mirror: the mirror's figures that Python checks against the running
  * ggml (its tensor size, its names of the type and op numbers), and each one's place. */
-#define BUTTER_MIRRORED 11
+#define BUTTER_MIRRORED 12
 #define BUTTER_MIRROR_TENSOR_BYTES 0
 #define BUTTER_MIRROR_TYPE_F32 1
 #define BUTTER_MIRROR_TYPE_Q8_0 2
@@ -76,6 +78,7 @@
 #define BUTTER_MIRROR_TYPE_Q4_K 8
 #define BUTTER_MIRROR_OP_FLASH_ATTN_EXT 9
 #define BUTTER_MIRROR_TYPE_F16 10
+#define BUTTER_MIRROR_OP_GATED_DELTA_NET 11
 
 /* butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers
  * the running ggml made that reads otherwise through the mirror. */

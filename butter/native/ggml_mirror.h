@@ -37,6 +37,7 @@ constexpr int TYPE_Q5_0 = 6;
 constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
 constexpr int OP_FLASH_ATTN_EXT = 74;
+constexpr int OP_GATED_DELTA_NET = 86;
 constexpr int STATUS_SUCCESS = 0;
 
 struct backend_buffer;
@@ -146,8 +147,8 @@ class extra_buffer_type {
     "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
     "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
     "ggml_backend_buft_get_device,ggml_new_tensor_3d,ggml_flash_attn_ext,"                  \
-    "ggml_fp32_to_fp16_row"
-constexpr size_t FUNCTION_COUNT = 28;
+    "ggml_fp32_to_fp16_row,ggml_new_tensor_4d,ggml_gated_delta_net"
+constexpr size_t FUNCTION_COUNT = 30;
 
 struct Functions {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
@@ -182,6 +183,11 @@ struct Functions {
     tensor *(*flash_attn_ext)(void *ctx, tensor *q, tensor *k, tensor *v, tensor *mask,
                               float scale, float max_bias, float logit_softcap);
     void (*fp32_to_fp16_row)(const float *x, uint16_t *y, int64_t n);
+    /* for the Gated DeltaNet probe */
+    tensor *(*new_tensor_4d)(void *ctx, int type, int64_t ne0, int64_t ne1, int64_t ne2,
+                             int64_t ne3);
+    tensor *(*gated_delta_net)(void *ctx, tensor *q, tensor *k, tensor *v, tensor *g,
+                               tensor *beta, tensor *state, int64_t snapshots);
 };
 static_assert(sizeof(Functions) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 

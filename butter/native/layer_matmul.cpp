@@ -241,6 +241,46 @@ BUTTER_API int32_t butter_layer_matmul_attention_probe(int32_t butter, int64_t r
                            threads, seed, max_bias, softcap, out, ran);
 }
 
+/* The vector widths (floats) at which this CPU can compute ggml's Gated DeltaNet op as
+ * ggml_vec_dot_f32 sums, as a mask of lane counts (8: AVX2 with FMA, 16: AVX-512). */
+BUTTER_API int32_t butter_layer_matmul_delta_net_widths(void) { return delta_net_widths(); }
+
+/* The width (one of those) at which butter computes Gated DeltaNet ops from the next graph
+ * on; 0: llama.cpp computes them. */
+BUTTER_API int32_t butter_layer_matmul_delta_net(int32_t width) {
+    if (width != 0 && (width & delta_net_widths()) != width) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    delta_net_width.store(width);
+    return BUTTER_OK;
+}
+
+/* One Gated DeltaNet through a real ggml graph on `threads` threads, at `width` (0:
+ * llama.cpp's own op): `tokens` tokens of `seqs` sequences, `heads` heads of `dim`, a gate
+ * per head (or per column with `per_column`), `snapshots` (K) states kept; inputs drawn
+ * from `seed`. out: the op's result, (tokens + snapshots x dim) x seqs x heads x dim floats;
+ * *ran: 1 if butter computed it. */
+BUTTER_API int32_t butter_layer_matmul_delta_net_probe(int32_t width, int64_t tokens,
+                                                       int64_t heads, int64_t dim, int64_t seqs,
+                                                       int64_t snapshots, int32_t per_column,
+                                                       int32_t threads, int64_t seed, float *out,
+                                                       size_t out_bytes, int32_t *ran) {
+    if (out == nullptr || ran == nullptr || tokens <= 0 || heads <= 0 || dim <= 0 ||
+        seqs <= 0 || snapshots <= 0 || threads <= 0 ||
+        (width != 0 && (width & delta_net_widths()) != width) ||
+        out_bytes < (size_t)((tokens + snapshots * dim) * seqs * heads * dim) * sizeof(float)) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    return delta_net_probe(width, tokens, heads, dim, seqs, snapshots, per_column != 0, threads,
+                           seed, out, ran);
+}
+
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
 BUTTER_API void *butter_layer_matmul_buffer_type(void) {
     return registered ? buffer_type() : nullptr;
@@ -270,6 +310,7 @@ BUTTER_API int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) 
     out[BUTTER_COUNTER_ROWS] = matmul_rows.load();
     out[BUTTER_COUNTER_ATTENTIONS] = attentions.load();
     out[BUTTER_COUNTER_ATTENTION_ROWS] = attention_rows.load();
+    out[BUTTER_COUNTER_DELTA_NETS] = delta_nets.load();
     return BUTTER_OK;
 }
 

@@ -39,6 +39,7 @@ void mirror_figures(int64_t *out) {
     out[BUTTER_MIRROR_TYPE_Q5_0] = ggml_mirror::TYPE_Q5_0;
     out[BUTTER_MIRROR_OP_MUL_MAT] = ggml_mirror::OP_MUL_MAT;
     out[BUTTER_MIRROR_OP_FLASH_ATTN_EXT] = ggml_mirror::OP_FLASH_ATTN_EXT;
+    out[BUTTER_MIRROR_OP_GATED_DELTA_NET] = ggml_mirror::OP_GATED_DELTA_NET;
 }
 
 /* Tensors and a buffer made by the running ggml, read through the mirror. */
@@ -96,6 +97,22 @@ int mirror_disagreements() {
         a->src[2] != k || a->src[3] != mask || a->src[4] != nullptr || params[0] != 0.125f ||
         params[1] != 0.5f || params[2] != 30.0f || a->ne[0] != 64 || a->ne[1] != 4 ||
         a->ne[2] != 3 || a->ne[3] != 1) {
+        wrong |= FIELD_OP;
+    }
+    /* a Gated DeltaNet: its sources and K where delta_net.cpp reads them */
+    tensor *dq = ggml.new_tensor_4d(host.ctx, ggml_mirror::TYPE_F32, 64, 2, 3, 1);
+    tensor *dg = ggml.new_tensor_4d(host.ctx, ggml_mirror::TYPE_F32, 1, 2, 3, 1);
+    tensor *ds = ggml.new_tensor_4d(host.ctx, ggml_mirror::TYPE_F32, 64, 64, 2, 1);
+    tensor *dn = dq == nullptr || dg == nullptr || ds == nullptr
+                     ? nullptr
+                     : ggml.gated_delta_net(host.ctx, dq, dq, dq, dg, dg, ds, 2);
+    if (dn == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    if (dn->op != ggml_mirror::OP_GATED_DELTA_NET || dn->src[0] != dq || dn->src[1] != dq ||
+        dn->src[2] != dq || dn->src[3] != dg || dn->src[4] != dg || dn->src[5] != ds ||
+        dn->op_params[0] != 2 || dn->ne[0] != 128 || dn->ne[1] != 3 + 2 * 64 || ds->ne[3] != 1 ||
+        ds->nb[3] != (size_t)(64 * 64 * 2) * sizeof(float)) {
         wrong |= FIELD_OP;
     }
     if (k->type != ggml_mirror::TYPE_F16 || k->nb[0] != 2 || k->nb[1] != 128) {

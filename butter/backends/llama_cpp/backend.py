@@ -63,6 +63,14 @@ from butter.sampling import SamplingParams
 log = logging.getLogger("butter.engine")
 
 
+
+def _delta_net_by() -> str:
+    """Who computes ggml's Gated DeltaNet ops in this process (layer_matmul._checked_delta_net)."""
+    try:
+        return layer_matmul.registered().delta_net
+    except Unavailable as exc:
+        return f"llama.cpp (butter's kernels are off: {exc})"
+
 class LlamaCppBackend:
     def __init__(
         self, path: Path, *, n_cells: int | Callable[[int], int], n_seq: int, n_batch: int,
@@ -278,6 +286,9 @@ class LlamaCppBackend:
             # who computes decode steps' attention: "butter (...)", each row the same
             # beside drafts and other requests, or "llama.cpp (why)"
             "decode_attention": self.decode_attention,
+            # who computes a hybrid model's Gated DeltaNet recurrence (ggml's GATED_DELTA_NET
+            # op, with llama.cpp's bits either way): "butter (ISA)" or "llama.cpp (why)"
+            "delta_net": _delta_net_by(),
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
             # the vision projector (--mmproj): its file, type and encodes; None: none

@@ -5,7 +5,7 @@ butter/native/ggml_abi.h. Do not edit; change the header and run .ci/ggml-abi
 
 from typing import Final
 
-LAYER_MATMUL_ABI_VERSION: Final = 12
+LAYER_MATMUL_ABI_VERSION: Final = 13
 
 # The ggml the mirror (ggml_mirror.h) was copied from: the llama.cpp commit that llama-cpp-python
 # 0.3.36 vendors (its submodule vendor/llama.cpp), ggml's version there, and that llama-cpp-python
@@ -42,7 +42,7 @@ TYPE_BIT_Q5_0: Final = 16
 TYPE_BIT_Q4_K: Final = 32
 
 # butter_layer_matmul_counters: how many, and each one's place.
-COUNTERS: Final = 11
+COUNTERS: Final = 12
 COUNTER_Q8_0_MATRICES: Final = 0
 COUNTER_Q6_K_MATRICES: Final = 1
 COUNTER_Q5_K_MATRICES: Final = 2
@@ -55,9 +55,12 @@ COUNTER_Q4_K_MATRICES: Final = 8
 COUNTER_ATTENTIONS: Final = 9
 COUNTER_ATTENTION_ROWS: Final = 10
 
+# Gated DeltaNet ops (delta_net.cpp)
+COUNTER_DELTA_NETS: Final = 11
+
 # butter_layer_matmul_mirror: the mirror's figures that Python checks against the running ggml
 # (its tensor size, its names of the type and op numbers), and each one's place.
-MIRRORED: Final = 11
+MIRRORED: Final = 12
 MIRROR_TENSOR_BYTES: Final = 0
 MIRROR_TYPE_F32: Final = 1
 MIRROR_TYPE_Q8_0: Final = 2
@@ -69,6 +72,7 @@ MIRROR_TYPE_Q5_0: Final = 7
 MIRROR_TYPE_Q4_K: Final = 8
 MIRROR_OP_FLASH_ATTN_EXT: Final = 9
 MIRROR_TYPE_F16: Final = 10
+MIRROR_OP_GATED_DELTA_NET: Final = 11
 
 # butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers the
 # running ggml made that reads otherwise through the mirror.

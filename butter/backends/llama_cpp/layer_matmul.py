@@ -82,6 +82,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_accept": (_I32, [_I32]),
     "butter_layer_matmul_counters": (_I32, [_P, _SIZE]),
     "butter_layer_matmul_drop_buffer_type": (_I32, [ctypes.c_char_p]),
+    "butter_layer_matmul_delta_net_widths": (_I32, []),
+    "butter_layer_matmul_delta_net": (_I32, [_I32]),
+    "butter_layer_matmul_delta_net_probe": (
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _I64, _P, _SIZE, _P]),
 }
 OK, DECLINED = abi.OK, abi.DECLINED
 COUNTERS = abi.COUNTERS
@@ -112,6 +116,7 @@ class Counters:
     q4_k_matrices: int
     attentions: int  # flash attentions butter computed (decode_attention.h)
     attention_rows: int  # and their query rows
+    delta_nets: int  # Gated DeltaNet ops butter computed (delta_net.cpp)
 
     @property
     def matrices(self) -> int:
@@ -136,6 +141,9 @@ class LayerMatmul:
         self._loading = threading.Lock()  # `accepting` is process-wide in the library
         # who computes decode steps' attention: "butter", or "llama.cpp (why)"
         self.attention = "llama.cpp (not checked yet)"
+        # who computes the Gated DeltaNet layers' recurrence (Qwen3.5 and kin): "butter
+        # (AVX-512)" / "butter (AVX2)", or "llama.cpp (why)"
+        self.delta_net = "llama.cpp (not checked yet)"
 
     def counters(self) -> Counters:
         out = (ctypes.c_int64 * COUNTERS)()
@@ -150,7 +158,8 @@ class LayerMatmul:
             q5_0_matrices=out[abi.COUNTER_Q5_0_MATRICES],
             q4_k_matrices=out[abi.COUNTER_Q4_K_MATRICES],
             attentions=out[abi.COUNTER_ATTENTIONS],
-            attention_rows=out[abi.COUNTER_ATTENTION_ROWS])
+            attention_rows=out[abi.COUNTER_ATTENTION_ROWS],
+            delta_nets=out[abi.COUNTER_DELTA_NETS])
 
     def decode_attention(self, on: bool) -> None:
         """Whether butter computes the attention of steps of fewer than 64 query rows over an
@@ -191,6 +200,39 @@ class LayerMatmul:
             raise ValueError(f"the attention probe could not run (status {status})")
         if butter and not ran.value:
             raise Unavailable("llama.cpp did not call butter's decode attention")
+        return list(out)
+
+    def delta_net_widths(self) -> list[int]:
+        """The vector widths (floats: 16 for AVX-512, 8 for AVX2) at which this CPU can
+        compute ggml's Gated DeltaNet op as butter/native/delta_net.cpp does, widest first."""
+        mask = int(self._lib.butter_layer_matmul_delta_net_widths())
+        return [width for width in (16, 8) if mask & width]
+
+    def use_delta_net(self, width: int) -> None:
+        """Whether butter computes the Gated DeltaNet layers' recurrence (ggml's
+        GATED_DELTA_NET op: each state row held in registers through a whole step, with
+        llama.cpp's bits) at `width`, or llama.cpp does (0). Takes effect from the next step;
+        change it only between steps."""
+        status = self._lib.butter_layer_matmul_delta_net(width)
+        if status != OK:
+            raise ValueError(f"no Gated DeltaNet kernel of width {width} (status {status})")
+
+    def delta_net_probe(self, *, width: int, tokens: int, heads: int, dim: int, seqs: int = 1,
+                        snapshots: int = 1, per_column: bool = False, threads: int = 2,
+                        seed: int = 3) -> list[float]:
+        """One Gated DeltaNet op through a real ggml graph (butter_layer_matmul_delta_net_probe:
+        probe values, decaying gates), computed by butter at `width` or by llama.cpp (0): its
+        whole result, the outputs and then the `snapshots` last states. Raises Unavailable if
+        butter's was asked for and llama.cpp computed it."""
+        out = (ctypes.c_float * ((tokens + snapshots * dim) * seqs * heads * dim))()
+        ran = ctypes.c_int32()
+        status = self._lib.butter_layer_matmul_delta_net_probe(
+            width, tokens, heads, dim, seqs, snapshots, int(per_column), threads, seed, out,
+            ctypes.sizeof(out), ctypes.byref(ran))
+        if status != OK:
+            raise ValueError(f"the Gated DeltaNet probe could not run (status {status})")
+        if width and not ran.value:
+            raise Unavailable("llama.cpp did not call butter's Gated DeltaNet")
         return list(out)
 
     @contextmanager
@@ -318,6 +360,38 @@ def _checked_attention(kernels: LayerMatmul) -> str:
     return "butter"
 
 
+# The Gated DeltaNet probes: Qwen3.5's head size, a decode step, a prompt step with K state
+# snapshots (speculative decoding's) that crosses a block of tokens (delta_net.cpp's
+# DELTA_TOKENS), two sequences and a gate per column (Kimi's KDA), and heads shorter than
+# a step of ggml's dot product (its floats one at a time).
+DELTA_NET_PROBES: tuple[dict[str, Any], ...] = (
+    {"tokens": 1, "heads": 2, "dim": 128},
+    {"tokens": 70, "heads": 3, "dim": 128, "snapshots": 3},
+    {"tokens": 9, "heads": 2, "dim": 64, "seqs": 2, "per_column": True},
+    {"tokens": 5, "heads": 2, "dim": 32},
+)
+
+
+def _checked_delta_net(kernels: LayerMatmul) -> str:
+    """"butter (<set>)" at the widest width whose probes give llama.cpp's bits exactly (a
+    hybrid model's text is then what llama.cpp's op gives), and butter told to use it; else
+    "llama.cpp (why)". Exactly, not within a tolerance: rows that sum in ggml's order either
+    agree to the bit or were summed in another order, which a tolerance would let by."""
+    widths = kernels.delta_net_widths()
+    if not widths:
+        return "llama.cpp (this CPU has neither AVX2 with FMA nor AVX-512)"
+    try:
+        theirs = [kernels.delta_net_probe(width=0, **probe) for probe in DELTA_NET_PROBES]
+        for width in widths:
+            ours = [kernels.delta_net_probe(width=width, **probe) for probe in DELTA_NET_PROBES]
+            if ours == theirs:
+                kernels.use_delta_net(width)
+                return f"butter ({'AVX-512' if width == 16 else 'AVX2'})"
+    except (Unavailable, ValueError) as exc:
+        return f"llama.cpp ({exc})"
+    return "llama.cpp (no width gives llama.cpp's bits: ggml summed in another order)"
+
+
 def _drop_crashing_buffer_types(lib: Any) -> None:
     """Takes CRASHING_BUFFER_TYPES out of llama.cpp's list (the library refuses until its
     mirror check passed)."""
@@ -357,6 +431,7 @@ def _register() -> LayerMatmul:
     registered.attention = _on_a_passing_thread(_checked_attention, registered)
     registered.decode_attention(registered.attention == "butter")
     registered.prompt_attention(registered.attention == "butter")
+    registered.delta_net = _on_a_passing_thread(_checked_delta_net, registered)
     return registered
 
 
