@@ -1,6 +1,7 @@
-"""butter's Gated DeltaNet recurrence (butter/native/delta_net.cpp) through real ggml graphs:
-llama.cpp's bits exactly, for the op alone and for a hybrid model's logits and greedy text,
-and the registration check that keeps it off where its sums would come out otherwise."""
+"""butter's recurrent-layer ops (butter/native/delta_net.cpp: the Gated DeltaNet recurrence
+and the short convolution) through real ggml graphs: llama.cpp's bits exactly, for each op
+alone and for hybrid models' logits and greedy text, and the registration check that keeps
+an op off where its sums would come out otherwise."""
 
 from __future__ import annotations
 
@@ -90,29 +91,60 @@ def test_a_width_this_cpu_lacks_is_refused() -> None:
         k.delta_net_probe(width=4, tokens=1, heads=1, dim=128)
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_qwen35_gguf: Path) -> Iterator[LlamaCppBackend]:
-    model = LlamaCppBackend(tiny_qwen35_gguf, n_cells=512, n_seq=2, n_batch=256, threads=2)
-    yield model
+@pytest.mark.parametrize("probe", [
+    {"tokens": 1, "channels": 96},  # a decode step
+    {"tokens": 16, "channels": 16, "threads": 1},  # one whole tile
+    {"tokens": 47, "channels": 64, "seqs": 2, "threads": 3},  # tiles and a tail
+    {"tokens": 33, "channels": 32, "width": 3},  # LFM2's width
+    {"tokens": 20, "channels": 48, "width": 2},
+])
+def test_butters_short_convolution_gives_llama_cpps_bits(probe: dict[str, int]) -> None:
+    k = registered()
+    if 16 not in k.delta_net_widths():
+        pytest.skip("butter's short convolution is AVX-512 only")
+    assert k.short_conv == "butter (AVX-512)"
+    ours = np.array(k.conv_probe(butter=True, **probe), dtype=np.float32)
+    theirs = np.array(k.conv_probe(butter=False, **probe), dtype=np.float32)
+    assert np.isfinite(theirs).all() and np.abs(theirs).max() > 0.1
+    assert ours.view(np.uint32).tolist() == theirs.view(np.uint32).tolist()
+
+
+@pytest.fixture(scope="module", params=["tiny_qwen35_gguf", "tiny_lfm2_gguf"])
+def backend(request: pytest.FixtureRequest) -> Iterator[tuple[str, LlamaCppBackend]]:
+    path: Path = request.getfixturevalue(request.param)
+    model = LlamaCppBackend(path, n_cells=512, n_seq=2, n_batch=256, threads=2)
+    yield request.param, model
     model.close()
 
 
 def test_a_hybrid_model_gives_the_same_logits_and_text_either_way(
-        backend: LlamaCppBackend) -> None:
-    """The tiny Qwen3.5 (three delta-net layers of 4 heads of 32): two prompts prefilled side
-    by side in one step (two sequences of the op), then 12 greedy tokens each: butter's
-    recurrence ran, and the logits and tokens are llama.cpp's, bit for bit."""
-    k, width = kernels()
+        backend: tuple[str, LlamaCppBackend]) -> None:
+    """The tiny Qwen3.5 (three delta-net layers of 4 heads of 32, each after a short
+    convolution) and the tiny LFM2 (short convolutions alone): two prompts prefilled side by
+    side in one step (two sequences of each op), then 12 greedy tokens each: butter's ops
+    ran, and the logits and tokens are llama.cpp's, bit for bit."""
+    k = registered()
+    width = ggml_width() if ggml_width() in k.delta_net_widths() else 0
+    convolves = 16 in k.delta_net_widths()
+    if not width and not convolves:
+        pytest.skip("neither of butter's recurrent ops runs here")
+    name, model = backend
     prompts = [PROMPT * 2, PROMPT[::-1]]
-    before = k.counters().delta_nets
-    ours, ours_first = generate_greedy(backend, prompts, 12)
-    assert k.counters().delta_nets > before
+    before = k.counters()
+    ours, ours_first = generate_greedy(model, prompts, 12)
+    after = k.counters()
+    if convolves:
+        assert after.short_convs > before.short_convs
+    if width and "qwen35" in name:
+        assert after.delta_nets > before.delta_nets
     try:
         k.use_delta_net(0)
-        between = k.counters().delta_nets
-        theirs, theirs_first = generate_greedy(backend, prompts, 12)
-        assert k.counters().delta_nets == between  # llama.cpp computed them this time
+        k.use_short_conv(False)
+        theirs, theirs_first = generate_greedy(model, prompts, 12)
+        again = k.counters()  # llama.cpp computed them this time:
+        assert (again.delta_nets, again.short_convs) == (after.delta_nets, after.short_convs)
     finally:
         k.use_delta_net(width)
+        k.use_short_conv(convolves)
     assert ours == theirs
     assert ours_first.view(np.uint32).tolist() == theirs_first.view(np.uint32).tolist()

@@ -27,6 +27,8 @@ namespace butter {
 
 std::atomic<int> delta_net_width{0};
 std::atomic<int64_t> delta_nets{0}, probe_delta_nets{0};
+std::atomic<bool> short_conv{false};
+std::atomic<int64_t> short_convs{0}, probe_short_convs{0};
 
 namespace {
 
@@ -274,7 +276,153 @@ class DeltaNet : public ggml_mirror::tensor_traits {
 
 DeltaNet delta_net_traits;
 
+/* The short causal convolution before a recurrent layer (ggml's SSM_CONV: Qwen3.5's and
+ * Mamba's conv1d, LFM2's short conv): out[t][c] = sum over i < d_conv of
+ * x[c][t + i] x w[c][i], x being the layer's last d_conv - 1 inputs and the step's, one row
+ * per channel. llama.cpp walks the channels for each token, a row of x (a cache line) apart
+ * each; here each channel's 16 tokens at a time are one vector per weight, and a tile of 16
+ * channels x 16 tokens goes out token by token. Each output is the same chain of fused
+ * multiply-adds from 0 in the same order as llama.cpp's (a native build contracts its
+ * `sumf += s * c`), so the same bits: checked at registration (butter_layer_matmul_conv_probe). */
+bool takes_short_conv(const tensor *op) {
+    if (op->op != ggml_mirror::OP_SSM_CONV || !short_conv.load(std::memory_order_relaxed)) {
+        return false;
+    }
+    const tensor *x = op->src[0], *w = op->src[1];
+    return is_f32(x) && is_f32(w) && is_f32(op) && w->ne[0] >= 1 && w->ne[0] <= 8 &&
+           x->ne[0] == w->ne[0] - 1 + op->ne[1] && x->ne[1] == w->ne[1] &&
+           op->ne[0] == x->ne[1] && op->ne[2] == x->ne[2] && x->ne[1] % 16 == 0 &&
+           x->nb[0] == sizeof(float) && x->nb[1] == (size_t)x->ne[0] * sizeof(float) &&
+           w->nb[0] == sizeof(float) && op->nb[0] == sizeof(float);
+}
+
+#ifdef BUTTER_X86
+
+#define CONV_TARGET __attribute__((target("avx512f,fma")))
+
+/* One tile: channels [c0, c0 + 16) over tokens [t0, t0 + 16) of sequence `seq`. */
+CONV_TARGET void short_conv_tile(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
+    const tensor *x = op->src[0], *w = op->src[1];
+    const int64_t width = w->ne[0];
+    alignas(64) float tile[16 * 16]; /* [channel][token] */
+    for (int64_t c = 0; c < 16; c++) {
+        const float *row = (const float *)((const char *)x->data + (c0 + c) * x->nb[1] +
+                                           seq * x->nb[2]) + t0;
+        const float *weights = (const float *)((const char *)w->data + (c0 + c) * w->nb[1]);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < width; i++) {
+            sum = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(weights[i]), sum);
+        }
+        _mm512_store_ps(tile + c * 16, sum);
+    }
+    const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                           192, 208, 224, 240);
+    for (int64_t t = 0; t < 16; t++) {
+        float *out = (float *)((char *)op->data + (t0 + t) * op->nb[1] + seq * op->nb[2]) + c0;
+        const __m512i at = _mm512_add_epi32(down, _mm512_set1_epi32((int)t));
+        _mm512_storeu_ps(out, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, at, tile, 4));
+    }
+}
+
+/* Tokens past the last whole tile, one output at a time, as llama.cpp sums each. */
+void short_conv_tail(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
+    const tensor *x = op->src[0], *w = op->src[1];
+    for (int64_t c = c0; c < c0 + 16; c++) {
+        const float *row = (const float *)((const char *)x->data + c * x->nb[1] + seq * x->nb[2]);
+        const float *weights = (const float *)((const char *)w->data + c * w->nb[1]);
+        for (int64_t t = t0; t < op->ne[1]; t++) {
+            float sum = 0.0f;
+            for (int64_t i = 0; i < w->ne[0]; i++) {
+                sum = fmaf(row[t + i], weights[i], sum);
+            }
+            *((float *)((char *)op->data + t * op->nb[1] + seq * op->nb[2]) + c) = sum;
+        }
+    }
+}
+
+/* This thread's share: blocks of 16 channels of a sequence, cut evenly. */
+void convolve(compute_params *params, tensor *op) {
+    const int64_t blocks = op->ne[0] / 16, tasks = op->ne[2] * blocks, tokens = op->ne[1];
+    for (int64_t task = tasks * params->ith / params->nth;
+         task < tasks * (params->ith + 1) / params->nth; task++) {
+        const int64_t seq = task / blocks, c0 = task % blocks * 16;
+        int64_t t0 = 0;
+        for (; t0 + 16 <= tokens; t0 += 16) {
+            short_conv_tile(op, seq, c0, t0);
+        }
+        short_conv_tail(op, seq, c0, t0);
+    }
+    if (params->ith == 0) {
+        (probing.load() ? probe_short_convs : short_convs).fetch_add(1, std::memory_order_relaxed);
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+class ShortConv : public ggml_mirror::tensor_traits {
+    bool work_size(int /*n_threads*/, const tensor * /*op*/, size_t &size) override {
+        size = 0;
+        return true;
+    }
+
+    bool compute_forward(compute_params *params, tensor *op) override {
+#ifdef BUTTER_X86
+        if (!takes_short_conv(op)) {
+            return false;
+        }
+        convolve(params, op);
+        return true;
+#else
+        (void)params, (void)op;
+        return false;
+#endif
+    }
+};
+
+ShortConv short_conv_traits;
+
 }  // namespace
+
+ggml_mirror::tensor_traits *short_conv_path(const tensor *op) {
+    return takes_short_conv(op) ? &short_conv_traits : nullptr;
+}
+
+/* One short convolution probe (butter_layer_matmul_conv_probe, which checked the
+ * arguments): probe values for the `width` + tokens - 1 inputs of each of `channels`
+ * channels of `seqs` sequences and for the weights, through a real ggml graph computed by
+ * butter (`butter`) or by llama.cpp. out: channels x tokens x seqs floats. */
+int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width, int64_t seqs,
+                   int threads, int64_t seed, float *out, int32_t *ran) {
+    Context compute((size_t)((width - 1 + 2 * tokens) * channels * seqs + width * channels) *
+                        sizeof(float) + ((size_t)4 << 20), false);
+    if (compute.ctx == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    const int f32 = ggml_mirror::TYPE_F32;
+    tensor *x = ggml.new_tensor_3d(compute.ctx, f32, width - 1 + tokens, channels, seqs);
+    tensor *w = ggml.new_tensor_2d(compute.ctx, f32, width, channels);
+    tensor *y = x == nullptr || w == nullptr ? nullptr : ggml.ssm_conv(compute.ctx, x, w);
+    void *graph = y == nullptr ? nullptr : ggml.new_graph(compute.ctx);
+    if (graph == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    probe_values((uint64_t)seed, (float *)ggml.get_data(x), (int64_t)(ggml.nbytes(x) / sizeof(float)));
+    probe_values((uint64_t)seed + 1, (float *)ggml.get_data(w), (int64_t)(ggml.nbytes(w) / sizeof(float)));
+    ggml.build_forward_expand(graph, y);
+    const bool was = short_conv.load();
+    short_conv.store(butter);
+    probing.store(true);
+    const int64_t ran_before = probe_short_convs.load();
+    const int status = ggml.graph_compute_with_ctx(compute.ctx, graph, threads);
+    *ran = probe_short_convs.load() > ran_before ? 1 : 0;
+    probing.store(false);
+    short_conv.store(was);
+    if (status != ggml_mirror::STATUS_SUCCESS) {
+        return BUTTER_E_STATE;
+    }
+    memcpy(out, ggml.get_data(y), ggml.nbytes(y));
+    return BUTTER_OK;
+}
 
 /* (BUTTER_KERNEL_ISA=avx2 keeps butter's native code to AVX2 here too.) */
 int delta_net_widths() {

@@ -49,7 +49,7 @@
 #define BUTTER_TYPE_BIT_Q4_K 32
 
 /* butter_layer_matmul_counters: how many, and each one's place. */
-#define BUTTER_COUNTERS 12
+#define BUTTER_COUNTERS 13
 #define BUTTER_COUNTER_Q8_0_MATRICES 0
 #define BUTTER_COUNTER_Q6_K_MATRICES 1
 #define BUTTER_COUNTER_Q5_K_MATRICES 2
@@ -63,10 +63,12 @@
 #define BUTTER_COUNTER_ATTENTION_ROWS 10
 /* Gated DeltaNet ops (delta_net.cpp) */
 #define BUTTER_COUNTER_DELTA_NETS 11
+/* short convolutions (SSM_CONV ops, delta_net.cpp) */
+#define BUTTER_COUNTER_SHORT_CONVS 12
 
 /* butter_layer_matmul_mirror: the mirror's figures that Python checks against the running
  * ggml (its tensor size, its names of the type and op numbers), and each one's place. */
-#define BUTTER_MIRRORED 12
+#define BUTTER_MIRRORED 13
 #define BUTTER_MIRROR_TENSOR_BYTES 0
 #define BUTTER_MIRROR_TYPE_F32 1
 #define BUTTER_MIRROR_TYPE_Q8_0 2
@@ -79,6 +81,7 @@
 #define BUTTER_MIRROR_OP_FLASH_ATTN_EXT 9
 #define BUTTER_MIRROR_TYPE_F16 10
 #define BUTTER_MIRROR_OP_GATED_DELTA_NET 11
+#define BUTTER_MIRROR_OP_SSM_CONV 12
 
 /* butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers
  * the running ggml made that reads otherwise through the mirror. */

@@ -38,6 +38,7 @@ constexpr int TYPE_Q6_K = 14;
 constexpr int OP_MUL_MAT = 29;
 constexpr int OP_FLASH_ATTN_EXT = 74;
 constexpr int OP_GATED_DELTA_NET = 86;
+constexpr int OP_SSM_CONV = 76;
 constexpr int STATUS_SUCCESS = 0;
 
 struct backend_buffer;
@@ -147,8 +148,8 @@ class extra_buffer_type {
     "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
     "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
     "ggml_backend_buft_get_device,ggml_new_tensor_3d,ggml_flash_attn_ext,"                  \
-    "ggml_fp32_to_fp16_row,ggml_new_tensor_4d,ggml_gated_delta_net"
-constexpr size_t FUNCTION_COUNT = 30;
+    "ggml_fp32_to_fp16_row,ggml_new_tensor_4d,ggml_gated_delta_net,ggml_ssm_conv"
+constexpr size_t FUNCTION_COUNT = 31;
 
 struct Functions {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
@@ -188,6 +189,8 @@ struct Functions {
                              int64_t ne3);
     tensor *(*gated_delta_net)(void *ctx, tensor *q, tensor *k, tensor *v, tensor *g,
                                tensor *beta, tensor *state, int64_t snapshots);
+    /* for the short convolution probe */
+    tensor *(*ssm_conv)(void *ctx, tensor *x, tensor *w);
 };
 static_assert(sizeof(Functions) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 

@@ -49,7 +49,8 @@ static_assert(GGML_TYPE_F32 == m::TYPE_F32 && GGML_TYPE_F16 == m::TYPE_F16 &&
                   GGML_TYPE_Q4_1 == m::TYPE_Q4_1 && GGML_TYPE_Q5_0 == m::TYPE_Q5_0,
               "ggml's type numbers");
 static_assert(GGML_OP_MUL_MAT == m::OP_MUL_MAT && GGML_OP_FLASH_ATTN_EXT == m::OP_FLASH_ATTN_EXT &&
-                  GGML_OP_GATED_DELTA_NET == m::OP_GATED_DELTA_NET,
+                  GGML_OP_GATED_DELTA_NET == m::OP_GATED_DELTA_NET &&
+                  GGML_OP_SSM_CONV == m::OP_SSM_CONV,
               "ggml's op numbers");
 static_assert(GGML_STATUS_SUCCESS == m::STATUS_SUCCESS, "ggml's success status");
 static_assert(sizeof(enum ggml_type) == sizeof(int) && sizeof(enum ggml_op) == sizeof(int) &&

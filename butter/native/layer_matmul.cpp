@@ -281,6 +281,38 @@ BUTTER_API int32_t butter_layer_matmul_delta_net_probe(int32_t width, int64_t to
                            seed, out, ran);
 }
 
+/* Whether butter computes the short convolutions (SSM_CONV ops) from the next graph on. */
+BUTTER_API int32_t butter_layer_matmul_short_conv(int32_t on) {
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    if (on != 0 && !(delta_net_widths() & 16)) {
+        return BUTTER_DECLINED; /* (AVX-512 only) */
+    }
+    short_conv.store(on != 0);
+    return BUTTER_OK;
+}
+
+/* One short convolution through a real ggml graph on `threads` threads, by butter
+ * (`butter` 1, where it can) or by llama.cpp: `tokens` outputs of each of `channels`
+ * channels (a multiple of 16) of `seqs` sequences, `width` weights a channel; inputs drawn
+ * from `seed`. out: channels x tokens x seqs floats; *ran: 1 if butter computed it. */
+BUTTER_API int32_t butter_layer_matmul_conv_probe(int32_t butter, int64_t tokens,
+                                                  int64_t channels, int64_t width, int64_t seqs,
+                                                  int32_t threads, int64_t seed, float *out,
+                                                  size_t out_bytes, int32_t *ran) {
+    if (out == nullptr || ran == nullptr || tokens <= 0 || channels <= 0 || channels % 16 != 0 ||
+        width <= 0 || width > 8 || seqs <= 0 || threads <= 0 ||
+        out_bytes < (size_t)(tokens * channels * seqs) * sizeof(float)) {
+        return BUTTER_E_ARGUMENT;
+    }
+    if (!registered) {
+        return BUTTER_E_STATE;
+    }
+    return conv_probe(butter != 0 && (delta_net_widths() & 16), tokens, channels, width, seqs,
+                      threads, seed, out, ran);
+}
+
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
 BUTTER_API void *butter_layer_matmul_buffer_type(void) {
     return registered ? buffer_type() : nullptr;
@@ -311,6 +343,7 @@ BUTTER_API int32_t butter_layer_matmul_counters(int64_t *out, size_t out_bytes) 
     out[BUTTER_COUNTER_ATTENTIONS] = attentions.load();
     out[BUTTER_COUNTER_ATTENTION_ROWS] = attention_rows.load();
     out[BUTTER_COUNTER_DELTA_NETS] = delta_nets.load();
+    out[BUTTER_COUNTER_SHORT_CONVS] = short_convs.load();
     return BUTTER_OK;
 }
 

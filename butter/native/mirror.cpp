@@ -40,6 +40,7 @@ void mirror_figures(int64_t *out) {
     out[BUTTER_MIRROR_OP_MUL_MAT] = ggml_mirror::OP_MUL_MAT;
     out[BUTTER_MIRROR_OP_FLASH_ATTN_EXT] = ggml_mirror::OP_FLASH_ATTN_EXT;
     out[BUTTER_MIRROR_OP_GATED_DELTA_NET] = ggml_mirror::OP_GATED_DELTA_NET;
+    out[BUTTER_MIRROR_OP_SSM_CONV] = ggml_mirror::OP_SSM_CONV;
 }
 
 /* Tensors and a buffer made by the running ggml, read through the mirror. */
@@ -113,6 +114,18 @@ int mirror_disagreements() {
         dn->src[2] != dq || dn->src[3] != dg || dn->src[4] != dg || dn->src[5] != ds ||
         dn->op_params[0] != 2 || dn->ne[0] != 128 || dn->ne[1] != 3 + 2 * 64 || ds->ne[3] != 1 ||
         ds->nb[3] != (size_t)(64 * 64 * 2) * sizeof(float)) {
+        wrong |= FIELD_OP;
+    }
+    /* a short convolution: its sources where delta_net.cpp reads them */
+    tensor *cx = ggml.new_tensor_3d(host.ctx, ggml_mirror::TYPE_F32, 3 + 5, 32, 2);
+    tensor *cw = ggml.new_tensor_2d(host.ctx, ggml_mirror::TYPE_F32, 4, 32);
+    tensor *conv = cx == nullptr || cw == nullptr ? nullptr : ggml.ssm_conv(host.ctx, cx, cw);
+    if (conv == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    if (conv->op != ggml_mirror::OP_SSM_CONV || conv->src[0] != cx || conv->src[1] != cw ||
+        conv->ne[0] != 32 || conv->ne[1] != 5 || conv->ne[2] != 2 || cx->nb[1] != 8 * sizeof(float) ||
+        conv->nb[1] != 32 * sizeof(float)) {
         wrong |= FIELD_OP;
     }
     if (k->type != ggml_mirror::TYPE_F16 || k->nb[0] != 2 || k->nb[1] != 128) {

@@ -64,12 +64,17 @@ log = logging.getLogger("butter.engine")
 
 
 
-def _delta_net_by() -> str:
-    """Who computes ggml's Gated DeltaNet ops in this process (layer_matmul._checked_delta_net)."""
+def _recurrent_ops_by() -> dict[str, str]:
+    """Who computes a hybrid model's recurrent ops in this process: the Gated DeltaNet
+    recurrence and the short convolution before it (layer_matmul._checked_delta_net and
+    _checked_short_conv), "butter (ISA)" or "llama.cpp (why)"."""
     try:
-        return layer_matmul.registered().delta_net
+        kernels = layer_matmul.registered()
     except Unavailable as exc:
-        return f"llama.cpp (butter's kernels are off: {exc})"
+        off = f"llama.cpp (butter's kernels are off: {exc})"
+        return {"delta_net": off, "short_conv": off}
+    return {"delta_net": kernels.delta_net, "short_conv": kernels.short_conv}
+
 
 class LlamaCppBackend:
     def __init__(
@@ -286,9 +291,9 @@ class LlamaCppBackend:
             # who computes decode steps' attention: "butter (...)", each row the same
             # beside drafts and other requests, or "llama.cpp (why)"
             "decode_attention": self.decode_attention,
-            # who computes a hybrid model's Gated DeltaNet recurrence (ggml's GATED_DELTA_NET
-            # op, with llama.cpp's bits either way): "butter (ISA)" or "llama.cpp (why)"
-            "delta_net": _delta_net_by(),
+            # who computes a hybrid model's recurrent ops (ggml's GATED_DELTA_NET and
+            # SSM_CONV, with llama.cpp's bits either way)
+            "recurrent_ops": _recurrent_ops_by(),
             # steps whose decode rows were evaluated apart from a prompt chunk
             "separated_prompt_steps": self.stepper.separated_steps,
             # the vision projector (--mmproj): its file, type and encodes; None: none

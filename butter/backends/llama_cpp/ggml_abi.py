@@ -42,7 +42,7 @@ TYPE_BIT_Q5_0: Final = 16
 TYPE_BIT_Q4_K: Final = 32
 
 # butter_layer_matmul_counters: how many, and each one's place.
-COUNTERS: Final = 12
+COUNTERS: Final = 13
 COUNTER_Q8_0_MATRICES: Final = 0
 COUNTER_Q6_K_MATRICES: Final = 1
 COUNTER_Q5_K_MATRICES: Final = 2
@@ -58,9 +58,12 @@ COUNTER_ATTENTION_ROWS: Final = 10
 # Gated DeltaNet ops (delta_net.cpp)
 COUNTER_DELTA_NETS: Final = 11
 
+# short convolutions (SSM_CONV ops, delta_net.cpp)
+COUNTER_SHORT_CONVS: Final = 12
+
 # butter_layer_matmul_mirror: the mirror's figures that Python checks against the running ggml
 # (its tensor size, its names of the type and op numbers), and each one's place.
-MIRRORED: Final = 12
+MIRRORED: Final = 13
 MIRROR_TENSOR_BYTES: Final = 0
 MIRROR_TYPE_F32: Final = 1
 MIRROR_TYPE_Q8_0: Final = 2
@@ -73,6 +76,7 @@ MIRROR_TYPE_Q4_K: Final = 8
 MIRROR_OP_FLASH_ATTN_EXT: Final = 9
 MIRROR_TYPE_F16: Final = 10
 MIRROR_OP_GATED_DELTA_NET: Final = 11
+MIRROR_OP_SSM_CONV: Final = 12
 
 # butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers the
 # running ggml made that reads otherwise through the mirror.

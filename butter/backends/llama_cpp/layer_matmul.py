@@ -86,6 +86,9 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_delta_net": (_I32, [_I32]),
     "butter_layer_matmul_delta_net_probe": (
         _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _I64, _P, _SIZE, _P]),
+    "butter_layer_matmul_short_conv": (_I32, [_I32]),
+    "butter_layer_matmul_conv_probe": (
+        _I32, [_I32, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
 }
 OK, DECLINED = abi.OK, abi.DECLINED
 COUNTERS = abi.COUNTERS
@@ -117,6 +120,7 @@ class Counters:
     attentions: int  # flash attentions butter computed (decode_attention.h)
     attention_rows: int  # and their query rows
     delta_nets: int  # Gated DeltaNet ops butter computed (delta_net.cpp)
+    short_convs: int  # and short convolutions (SSM_CONV ops)
 
     @property
     def matrices(self) -> int:
@@ -144,6 +148,8 @@ class LayerMatmul:
         # who computes the Gated DeltaNet layers' recurrence (Qwen3.5 and kin): "butter
         # (AVX-512)" / "butter (AVX2)", or "llama.cpp (why)"
         self.delta_net = "llama.cpp (not checked yet)"
+        # and the short convolution before each recurrent layer (SSM_CONV)
+        self.short_conv = "llama.cpp (not checked yet)"
 
     def counters(self) -> Counters:
         out = (ctypes.c_int64 * COUNTERS)()
@@ -159,7 +165,8 @@ class LayerMatmul:
             q4_k_matrices=out[abi.COUNTER_Q4_K_MATRICES],
             attentions=out[abi.COUNTER_ATTENTIONS],
             attention_rows=out[abi.COUNTER_ATTENTION_ROWS],
-            delta_nets=out[abi.COUNTER_DELTA_NETS])
+            delta_nets=out[abi.COUNTER_DELTA_NETS],
+            short_convs=out[abi.COUNTER_SHORT_CONVS])
 
     def decode_attention(self, on: bool) -> None:
         """Whether butter computes the attention of steps of fewer than 64 query rows over an
@@ -233,6 +240,30 @@ class LayerMatmul:
             raise ValueError(f"the Gated DeltaNet probe could not run (status {status})")
         if width and not ran.value:
             raise Unavailable("llama.cpp did not call butter's Gated DeltaNet")
+        return list(out)
+
+    def use_short_conv(self, on: bool) -> None:
+        """Whether butter computes the short convolutions before recurrent layers (ggml's
+        SSM_CONV op: tiles of 16 channels x 16 tokens, llama.cpp's bits; AVX-512 only).
+        Takes effect from the next step; change it only between steps."""
+        status = self._lib.butter_layer_matmul_short_conv(int(on))
+        if status != OK:
+            raise ValueError(f"butter's short convolution cannot run here (status {status})")
+
+    def conv_probe(self, *, butter: bool, tokens: int, channels: int, width: int = 4,
+                   seqs: int = 1, threads: int = 2, seed: int = 7) -> list[float]:
+        """One short convolution (ggml's SSM_CONV) through a real ggml graph, by butter or
+        by llama.cpp: channels x tokens x seqs outputs of probe values. Raises Unavailable if
+        butter's was asked for and llama.cpp computed it."""
+        out = (ctypes.c_float * (tokens * channels * seqs))()
+        ran = ctypes.c_int32()
+        status = self._lib.butter_layer_matmul_conv_probe(
+            int(butter), tokens, channels, width, seqs, threads, seed, out, ctypes.sizeof(out),
+            ctypes.byref(ran))
+        if status != OK:
+            raise ValueError(f"the short convolution probe could not run (status {status})")
+        if butter and not ran.value:
+            raise Unavailable("llama.cpp did not call butter's short convolution")
         return list(out)
 
     @contextmanager
@@ -392,6 +423,30 @@ def _checked_delta_net(kernels: LayerMatmul) -> str:
     return "llama.cpp (no width gives llama.cpp's bits: ggml summed in another order)"
 
 
+# The short convolution probes: a decode step, a prompt step of whole tiles and a partial
+# one, two sequences, and LFM2's width of 3.
+CONV_PROBES: tuple[dict[str, Any], ...] = (
+    {"tokens": 1, "channels": 64},
+    {"tokens": 37, "channels": 48, "seqs": 2},
+    {"tokens": 16, "channels": 32, "width": 3},
+)
+
+
+def _checked_short_conv(kernels: LayerMatmul) -> str:
+    """"butter (AVX-512)" where its probes give llama.cpp's bits exactly, and butter told to
+    use it; else "llama.cpp (why)"."""
+    if 16 not in kernels.delta_net_widths():
+        return "llama.cpp (AVX-512 only)"
+    try:
+        theirs = [kernels.conv_probe(butter=False, **probe) for probe in CONV_PROBES]
+        if [kernels.conv_probe(butter=True, **probe) for probe in CONV_PROBES] != theirs:
+            return "llama.cpp (butter's sums differ from llama.cpp's in the last bits)"
+        kernels.use_short_conv(True)
+    except (Unavailable, ValueError) as exc:
+        return f"llama.cpp ({exc})"
+    return "butter (AVX-512)"
+
+
 def _drop_crashing_buffer_types(lib: Any) -> None:
     """Takes CRASHING_BUFFER_TYPES out of llama.cpp's list (the library refuses until its
     mirror check passed)."""
@@ -432,6 +487,7 @@ def _register() -> LayerMatmul:
     registered.decode_attention(registered.attention == "butter")
     registered.prompt_attention(registered.attention == "butter")
     registered.delta_net = _on_a_passing_thread(_checked_delta_net, registered)
+    registered.short_conv = _on_a_passing_thread(_checked_short_conv, registered)
     return registered
 
 
