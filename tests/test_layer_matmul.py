@@ -546,3 +546,48 @@ def test_llama_cpp_threads_start_only_on_the_backends_thread_and_a_passing_one(
     assert layer_matmul._on_a_passing_thread(
         lambda: ran_on.append(threading.current_thread()) or 7) == 7
     assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+
+
+def _q8_k_rows() -> list[np.ndarray]:
+    """Rows of 3 blocks each: random, with a zero block, with ties for the largest
+    magnitude (the first wins), with NaNs ggml's scan passes over, and values at .5 after
+    scaling (ties of the rounding)."""
+    rng = np.random.default_rng(11)
+    rows = [rng.standard_normal(768).astype(np.float32) * scale for scale in (1e-3, 1.0, 40.0)]
+    zero = rng.standard_normal(768).astype(np.float32)
+    zero[256:512] = 0.0
+    ties = rng.uniform(-1, 1, 768).astype(np.float32)
+    ties[[3, 200, 300, 301]] = [-2.0, 2.0, 2.0, -2.0]
+    nan = rng.standard_normal(768).astype(np.float32)
+    nan[[5, 600]] = np.nan
+    halves = (np.arange(768, dtype=np.float32) - 384.0) / 2.0  # iscale 1: x.5 everywhere
+    halves[0] = -127.0
+    return [*rows, zero, ties, nan, halves]
+
+
+@pytest.mark.parametrize("row", range(7))
+def test_butters_q8_k_activations_are_ggmls_bytes(row: int) -> None:
+    """butter's K-quant matmuls quantize activations with their own vectorized Q8_K (ggml's
+    quantize_row_q8_K is scalar on x86): the same bytes as ggml's, d, quants and sums."""
+    lib = layer_matmul._library()
+    x = np.ascontiguousarray(_q8_k_rows()[row])
+    ours = (ctypes.c_uint8 * (3 * 292))()
+    status = lib.butter_layer_matmul_quantize_q8_k(
+        x.ctypes.data_as(ctypes.c_void_p), x.size, ours, ctypes.sizeof(ours))
+    if status == layer_matmul.DECLINED:
+        pytest.skip("no AVX2 here")
+    assert status == layer_matmul.OK
+    _, cpu = ggml_boundary.ggml_libraries()
+    ggml_quantize = cpu.quantize_row_q8_K
+    ggml_quantize.argtypes, ggml_quantize.restype = [ctypes.c_void_p, ctypes.c_void_p,
+                                                     ctypes.c_int64], None
+    theirs = (ctypes.c_uint8 * (3 * 292))()
+    ggml_quantize(x.ctypes.data_as(ctypes.c_void_p), theirs, x.size)
+    if row == 3:  # ggml leaves a zero block's sums as they were: compare d and quants there
+        zero_sums = slice(292 + 4 + 256, 2 * 292)
+        assert bytes(ours)[zero_sums] == bytes(32)
+        assert bytes(ours)[:292] + bytes(ours)[292:292 + 260] + bytes(ours)[584:] == \
+            bytes(theirs)[:292] + bytes(theirs)[292:292 + 260] + bytes(theirs)[584:]
+    else:
+        assert bytes(ours) == bytes(theirs)
+    assert any(bytes(ours)[4:260])  # (not a block of zeros)

@@ -313,6 +313,25 @@ BUTTER_API int32_t butter_layer_matmul_conv_probe(int32_t butter, int64_t tokens
                       threads, seed, out, ran);
 }
 
+/* One row of k activations (a multiple of 256) quantized to ggml's Q8_K as butter's K-quant
+ * matmuls quantize them (q6_k_tiles.h's q8_k_quantize_row), into out (k / 256 blocks). */
+BUTTER_API int32_t butter_layer_matmul_quantize_q8_k(const float *x, int64_t k, void *out,
+                                                     size_t out_bytes) {
+    if (x == nullptr || out == nullptr || k <= 0 || k % QK_K != 0 ||
+        out_bytes < (size_t)(k / QK_K) * Q8_K_BLOCK_BYTES) {
+        return BUTTER_E_ARGUMENT;
+    }
+#ifdef BUTTER_X86
+    if (best_isa() == BUTTER_ISA_NONE) {
+        return BUTTER_DECLINED;
+    }
+    q8_k_quantize_row(x, (uint8_t *)out, k);
+    return BUTTER_OK;
+#else
+    return BUTTER_DECLINED;
+#endif
+}
+
 /* The registered buffer type (to find it in llama.cpp's list), or null. */
 BUTTER_API void *butter_layer_matmul_buffer_type(void) {
     return registered ? buffer_type() : nullptr;

@@ -228,7 +228,7 @@ void multiply(compute_params *params, tensor *dst) {
     } else if (is_k_quant(w->type)) {
         const int64_t row_bytes = (int64_t)quantized_row_bytes(w);
         for (int64_t r = params->ith; r < rows; r += params->nth) {
-            ggml.quantize_row_q8_k(activation_row(x, r, gather), xq + r * row_bytes, k);
+            q8_k_quantize_row(activation_row(x, r, gather), xq + r * row_bytes, k);
         }
         barrier(params);
         multiply_tiles(params, dst, rows,

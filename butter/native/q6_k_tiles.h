@@ -41,6 +41,66 @@
 #define Q6_TILE_SCALES 256
 #define Q6_TILE_BLOCK_BYTES (Q6_TILE_VALUES + Q6_TILE_SCALES + LANES * 2)
 
+#ifdef BUTTER_X86
+/* One row of activations as ggml's quantize_row_q8_K (quantize_row_q8_K_ref on x86) makes
+ * it, byte for byte, 8 floats at a time: per block of 256 the value of largest magnitude
+ * (the first, where several tie), iscale = -127 / it, each q = min(127, round-to-even(
+ * iscale x)) (ggml's nearest_int is that rounding; 0 for a NaN), sums of 16, d = 1 /
+ * iscale; a block of zeros (or of NaNs, which ggml's scan passes over) has d = 0, qs = 0. */
+AVX2_TARGET static inline void q8_k_quantize_row(const float *x, uint8_t *y, int64_t k) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < k / QK_K; b++, x += QK_K, y += Q8_K_BLOCK_BYTES) {
+        __m256 top = _mm256_setzero_ps();
+        for (int j = 0; j < QK_K; j += 8) { /* (a NaN, second here, never becomes the top) */
+            top = _mm256_max_ps(_mm256_and_ps(magnitude, _mm256_loadu_ps(x + j)), top);
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        float amax = 0.0f;
+        for (int i = 0; i < 8; i++) {
+            amax = lanes[i] > amax ? lanes[i] : amax;
+        }
+        int8_t *qs = (int8_t *)(y + 4);
+        int16_t *bsums = (int16_t *)(y + 4 + QK_K);
+        if (amax == 0.0f) {
+            memset(y, 0, Q8_K_BLOCK_BYTES);
+            continue;
+        }
+        float max = 0.0f;
+        for (int j = 0; j < QK_K; j++) {
+            if (fabsf(x[j]) == amax) {
+                max = x[j];
+                break;
+            }
+        }
+        const float iscale = -127.f / max;
+        const __m256 scale = _mm256_set1_ps(iscale);
+        const __m256i most = _mm256_set1_epi32(127);
+        for (int j = 0; j < QK_K; j += 32) {
+            __m256i q[4];
+            for (int i = 0; i < 4; i++) { /* (a NaN product is 0 to ggml: NaN's mantissa bits) */
+                const __m256 v = _mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * i));
+                const __m256i number = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+                q[i] = _mm256_and_si256(number, _mm256_min_epi32(most, _mm256_cvtps_epi32(v)));
+            }
+            for (int half = 0; half < 2; half++) {
+                const __m256i sum = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
+                int32_t parts[8];
+                _mm256_storeu_si256((__m256i *)parts, sum);
+                bsums[j / 16 + half] = (int16_t)(parts[0] + parts[1] + parts[2] + parts[3] +
+                                                 parts[4] + parts[5] + parts[6] + parts[7]);
+            }
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                                     _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(qs + j), _mm256_permutevar8x32_epi32(bytes, order));
+        }
+        const float d = 1 / iscale;
+        memcpy(y, &d, sizeof d);
+    }
+}
+#endif
+
 /* A Q6_K block's 256 weights as their 6-bit values q (0..63), in column order, as ggml's
  * dequantize_row_q6_K reads them: halves of 128, each from 64 bytes of `ql` (low nibbles,
  * then high nibbles) and 32 of `qh` (2 bits for each quarter of 32). */

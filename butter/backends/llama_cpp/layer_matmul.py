@@ -87,6 +87,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_delta_net_probe": (
         _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _I64, _P, _SIZE, _P]),
     "butter_layer_matmul_short_conv": (_I32, [_I32]),
+    "butter_layer_matmul_quantize_q8_k": (_I32, [_P, _I64, _P, _SIZE]),
     "butter_layer_matmul_conv_probe": (
         _I32, [_I32, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
 }
