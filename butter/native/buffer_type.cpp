@@ -62,6 +62,9 @@ class TileBufferType : public ggml_mirror::extra_buffer_type {
         if (op->op == ggml_mirror::OP_SSM_CONV) {
             return short_conv_path(op);
         }
+        if (op->op == ggml_mirror::OP_CONCAT) {
+            return concat_path(op);
+        }
         return attention_path(op);
     }
 };

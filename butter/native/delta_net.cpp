@@ -381,33 +381,151 @@ class ShortConv : public ggml_mirror::tensor_traits {
 
 ShortConv short_conv_traits;
 
+/* The concatenation before each short convolution (ggml's CONCAT along dim 0: the layer's
+ * last d_conv - 1 inputs, then the step's, transposed to one row per channel). llama.cpp's
+ * CONCAT shares out only dim 2 (sequences), so with one sequence a thread copies it all,
+ * float by float, while the others wait. Here every thread takes blocks of 16 rows, and a
+ * source whose rows are its columns (a transposed view) is copied 16 x 16 at a time. A
+ * copy: the same bits whatever the order. */
+bool takes_concat(const tensor *op) {
+    if (op->op != ggml_mirror::OP_CONCAT || !short_conv.load(std::memory_order_relaxed)) {
+        return false;
+    }
+    const tensor *a = op->src[0], *b = op->src[1];
+    return is_f32(a) && is_f32(b) && is_f32(op) && op->op_params[0] == 0 &&
+           op->nb[0] == sizeof(float) && op->ne[0] == a->ne[0] + b->ne[0] &&
+           a->ne[1] == op->ne[1] && b->ne[1] == op->ne[1] && a->ne[2] == op->ne[2] &&
+           b->ne[2] == op->ne[2] && a->ne[3] == op->ne[3] && b->ne[3] == op->ne[3];
+}
+
+#ifdef BUTTER_X86
+
+/* Element (i0, i1, i2, i3) of a tensor. */
+inline const float *element(const tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return (const float *)((const char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] +
+                           i2 * t->nb[2] + i3 * t->nb[3]);
+}
+
+/* Columns [c0, c0 + 16) of rows [r0, r0 + 16) of `from` (whose columns lie 4 bytes apart:
+ * from's i1 is the row, i0 the column) to rows r0.. of `to`, starting at column `at`. */
+CONV_TARGET void concat_tile(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t c0,
+                             int64_t i2, int64_t i3) {
+    alignas(64) float tile[16 * 16]; /* [column][row] as read */
+    for (int64_t c = 0; c < 16; c++) {
+        _mm512_store_ps(tile + c * 16, _mm512_loadu_ps(element(from, c0 + c, r0, i2, i3)));
+    }
+    const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
+                                           192, 208, 224, 240);
+    for (int64_t r = 0; r < 16; r++) {
+        const __m512i column = _mm512_add_epi32(down, _mm512_set1_epi32((int)r));
+        float *out = (float *)element(to, at + c0, r0 + r, i2, i3);
+        _mm512_storeu_ps(out, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, column,
+                                                        tile, 4));
+    }
+}
+
+/* Rows [r0, r1) of `from`, columns [c0, ne0), to `to` from column `at`, one float at a
+ * time. */
+void concat_floats(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t r1,
+                   int64_t c0, int64_t i2, int64_t i3) {
+    for (int64_t r = r0; r < r1; r++) {
+        float *out = (float *)element(to, at, r, i2, i3);
+        for (int64_t c = c0; c < from->ne[0]; c++) {
+            out[c] = *element(from, c, r, i2, i3);
+        }
+    }
+}
+
+void concat_part(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t r1,
+                 int64_t i2, int64_t i3) {
+    int64_t c0 = 0;
+    if (from->nb[1] == sizeof(float) && r1 - r0 == 16 && (delta_net_widths() & 16)) {
+        for (; c0 + 16 <= from->ne[0]; c0 += 16) {
+            concat_tile(from, to, at, r0, c0, i2, i3);
+        }
+    }
+    concat_floats(from, to, at, r0, r1, c0, i2, i3);
+}
+
+void concatenate(compute_params *params, tensor *op) {
+    const tensor *a = op->src[0], *b = op->src[1];
+    const int64_t blocks = (op->ne[1] + 15) / 16, per_matrix = blocks;
+    const int64_t tasks = op->ne[3] * op->ne[2] * per_matrix;
+    for (int64_t task = tasks * params->ith / params->nth;
+         task < tasks * (params->ith + 1) / params->nth; task++) {
+        const int64_t matrix = task / per_matrix, i2 = matrix % op->ne[2], i3 = matrix / op->ne[2];
+        const int64_t r0 = task % per_matrix * 16, r1 = r0 + 16 < op->ne[1] ? r0 + 16 : op->ne[1];
+        concat_part(a, op, 0, r0, r1, i2, i3);
+        concat_part(b, op, a->ne[0], r0, r1, i2, i3);
+    }
+}
+
+#endif /* BUTTER_X86 */
+
+class Concat : public ggml_mirror::tensor_traits {
+    bool work_size(int /*n_threads*/, const tensor * /*op*/, size_t &size) override {
+        size = 0;
+        return true;
+    }
+
+    bool compute_forward(compute_params *params, tensor *op) override {
+#ifdef BUTTER_X86
+        if (!takes_concat(op)) {
+            return false;
+        }
+        concatenate(params, op);
+        return true;
+#else
+        (void)params, (void)op;
+        return false;
+#endif
+    }
+};
+
+Concat concat_traits;
+
 }  // namespace
+
+ggml_mirror::tensor_traits *concat_path(const tensor *op) {
+    return takes_concat(op) ? &concat_traits : nullptr;
+}
 
 ggml_mirror::tensor_traits *short_conv_path(const tensor *op) {
     return takes_short_conv(op) ? &short_conv_traits : nullptr;
 }
 
 /* One short convolution probe (butter_layer_matmul_conv_probe, which checked the
- * arguments): probe values for the `width` + tokens - 1 inputs of each of `channels`
- * channels of `seqs` sequences and for the weights, through a real ggml graph computed by
- * butter (`butter`) or by llama.cpp. out: channels x tokens x seqs floats. */
+ * arguments), built as llama.cpp builds a recurrent layer's: probe values for the last
+ * `width` - 1 inputs of each of `channels` channels and for the step's `tokens` (token-major,
+ * as the layer's input projection gives them), joined by a CONCAT of their transposed view,
+ * then the SSM_CONV, for `seqs` sequences, through a real ggml graph computed by butter
+ * (`butter`) or by llama.cpp. out: channels x tokens x seqs floats. */
 int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width, int64_t seqs,
                    int threads, int64_t seed, float *out, int32_t *ran) {
-    Context compute((size_t)((width - 1 + 2 * tokens) * channels * seqs + width * channels) *
+    Context compute((size_t)((width - 1 + 3 * tokens) * channels * seqs + width * channels) *
                         sizeof(float) + ((size_t)4 << 20), false);
     if (compute.ctx == nullptr) {
         return BUTTER_E_STATE;
     }
     const int f32 = ggml_mirror::TYPE_F32;
-    tensor *x = ggml.new_tensor_3d(compute.ctx, f32, width - 1 + tokens, channels, seqs);
+    tensor *states = ggml.new_tensor_3d(compute.ctx, f32, width - 1, channels, seqs);
+    tensor *steps = ggml.new_tensor_3d(compute.ctx, f32, channels, tokens, seqs);
     tensor *w = ggml.new_tensor_2d(compute.ctx, f32, width, channels);
-    tensor *y = x == nullptr || w == nullptr ? nullptr : ggml.ssm_conv(compute.ctx, x, w);
+    if (states == nullptr || steps == nullptr || w == nullptr) {
+        return BUTTER_E_STATE;
+    }
+    tensor *flipped = ggml.transpose(compute.ctx, steps);
+    tensor *x = flipped == nullptr ? nullptr : ggml.concat(compute.ctx, states, flipped, 0);
+    tensor *y = x == nullptr ? nullptr : ggml.ssm_conv(compute.ctx, x, w);
     void *graph = y == nullptr ? nullptr : ggml.new_graph(compute.ctx);
     if (graph == nullptr) {
         return BUTTER_E_STATE;
     }
-    probe_values((uint64_t)seed, (float *)ggml.get_data(x), (int64_t)(ggml.nbytes(x) / sizeof(float)));
-    probe_values((uint64_t)seed + 1, (float *)ggml.get_data(w), (int64_t)(ggml.nbytes(w) / sizeof(float)));
+    tensor *inputs[] = {states, steps, w};
+    for (size_t i = 0; i < sizeof(inputs) / sizeof(inputs[0]); i++) {
+        probe_values((uint64_t)(seed + (int64_t)i), (float *)ggml.get_data(inputs[i]),
+                     (int64_t)(ggml.nbytes(inputs[i]) / sizeof(float)));
+    }
     ggml.build_forward_expand(graph, y);
     const bool was = short_conv.load();
     short_conv.store(butter);

@@ -68,7 +68,7 @@
 
 /* butter_layer_matmul_mirror: the mirror's figures that Python checks against the running
  * ggml (its tensor size, its names of the type and op numbers), and each one's place. */
-#define BUTTER_MIRRORED 13
+#define BUTTER_MIRRORED 14
 #define BUTTER_MIRROR_TENSOR_BYTES 0
 #define BUTTER_MIRROR_TYPE_F32 1
 #define BUTTER_MIRROR_TYPE_Q8_0 2
@@ -82,6 +82,7 @@
 #define BUTTER_MIRROR_TYPE_F16 10
 #define BUTTER_MIRROR_OP_GATED_DELTA_NET 11
 #define BUTTER_MIRROR_OP_SSM_CONV 12
+#define BUTTER_MIRROR_OP_CONCAT 13
 
 /* butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers
  * the running ggml made that reads otherwise through the mirror. */

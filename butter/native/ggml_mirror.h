@@ -39,6 +39,7 @@ constexpr int OP_MUL_MAT = 29;
 constexpr int OP_FLASH_ATTN_EXT = 74;
 constexpr int OP_GATED_DELTA_NET = 86;
 constexpr int OP_SSM_CONV = 76;
+constexpr int OP_CONCAT = 22;
 constexpr int STATUS_SUCCESS = 0;
 
 struct backend_buffer;
@@ -148,8 +149,9 @@ class extra_buffer_type {
     "ggml_backend_alloc_ctx_tensors_from_buft,ggml_backend_tensor_set,"                     \
     "ggml_backend_buffer_free,ggml_backend_buffer_get_base,ggml_backend_buffer_get_size,"   \
     "ggml_backend_buft_get_device,ggml_new_tensor_3d,ggml_flash_attn_ext,"                  \
-    "ggml_fp32_to_fp16_row,ggml_new_tensor_4d,ggml_gated_delta_net,ggml_ssm_conv"
-constexpr size_t FUNCTION_COUNT = 31;
+    "ggml_fp32_to_fp16_row,ggml_new_tensor_4d,ggml_gated_delta_net,ggml_ssm_conv,"         \
+    "ggml_concat,ggml_transpose"
+constexpr size_t FUNCTION_COUNT = 33;
 
 struct Functions {
     std::vector<backend_buffer_type *> &(*extra_buffer_types)();
@@ -191,6 +193,8 @@ struct Functions {
                                tensor *beta, tensor *state, int64_t snapshots);
     /* for the short convolution probe */
     tensor *(*ssm_conv)(void *ctx, tensor *x, tensor *w);
+    tensor *(*concat)(void *ctx, tensor *a, tensor *b, int dim);
+    tensor *(*transpose)(void *ctx, tensor *a);
 };
 static_assert(sizeof(Functions) == FUNCTION_COUNT * sizeof(void *), "one pointer per name");
 

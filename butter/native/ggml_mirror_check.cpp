@@ -50,7 +50,7 @@ static_assert(GGML_TYPE_F32 == m::TYPE_F32 && GGML_TYPE_F16 == m::TYPE_F16 &&
               "ggml's type numbers");
 static_assert(GGML_OP_MUL_MAT == m::OP_MUL_MAT && GGML_OP_FLASH_ATTN_EXT == m::OP_FLASH_ATTN_EXT &&
                   GGML_OP_GATED_DELTA_NET == m::OP_GATED_DELTA_NET &&
-                  GGML_OP_SSM_CONV == m::OP_SSM_CONV,
+                  GGML_OP_SSM_CONV == m::OP_SSM_CONV && GGML_OP_CONCAT == m::OP_CONCAT,
               "ggml's op numbers");
 static_assert(GGML_STATUS_SUCCESS == m::STATUS_SUCCESS, "ggml's success status");
 static_assert(sizeof(enum ggml_type) == sizeof(int) && sizeof(enum ggml_op) == sizeof(int) &&

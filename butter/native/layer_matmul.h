@@ -6,7 +6,7 @@
  *   ggml_mirror_check.cpp the mirror against ggml's own headers, at build
  *   matmul.cpp            the tile layouts and the matmul dispatch to the kernels
  *   attention.cpp         decode and prompt attention, glued to ggml's flash attention op
- *   delta_net.cpp         recurrent layers: ggml's GATED_DELTA_NET and SSM_CONV ops
+ *   delta_net.cpp         recurrent layers: ggml's GATED_DELTA_NET, SSM_CONV and CONCAT
  *   buffer_type.cpp       the buffer type llama.cpp's CPU backend stores weights in
  *   self_check.cpp        probe products and attentions through real ggml graphs
  * Everything here is hidden from other libraries (-fvisibility=hidden): only the C API is
@@ -59,8 +59,8 @@ extern std::atomic<bool> decode_attention, prompt_attention;
  * whose probe gave llama.cpp's bits (0: llama.cpp computes them); the ops it computed. */
 extern std::atomic<int> delta_net_width;
 extern std::atomic<int64_t> delta_nets, probe_delta_nets;
-/* Whether butter computes ggml's SSM_CONV ops (AVX-512; on where its probe gave llama.cpp's
- * bits); the ops it computed. */
+/* Whether butter computes ggml's SSM_CONV ops and the CONCATs along dim 0 that feed them
+ * (AVX-512; on where its probe gave llama.cpp's bits); the SSM_CONV ops it computed. */
 extern std::atomic<bool> short_conv;
 extern std::atomic<int64_t> short_convs, probe_short_convs;
 
@@ -123,6 +123,7 @@ ggml_mirror::tensor_traits *attention_path(const tensor *op);
 int delta_net_widths(); /* the widths this CPU runs, as a mask of their lane counts */
 ggml_mirror::tensor_traits *delta_net_path(const tensor *op);
 ggml_mirror::tensor_traits *short_conv_path(const tensor *op);
+ggml_mirror::tensor_traits *concat_path(const tensor *op);
 int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width, int64_t seqs,
                    int threads, int64_t seed, float *out, int32_t *ran);
 int32_t delta_net_probe(int width, int64_t tokens, int64_t heads, int64_t dim, int64_t seqs,

@@ -41,6 +41,7 @@ void mirror_figures(int64_t *out) {
     out[BUTTER_MIRROR_OP_FLASH_ATTN_EXT] = ggml_mirror::OP_FLASH_ATTN_EXT;
     out[BUTTER_MIRROR_OP_GATED_DELTA_NET] = ggml_mirror::OP_GATED_DELTA_NET;
     out[BUTTER_MIRROR_OP_SSM_CONV] = ggml_mirror::OP_SSM_CONV;
+    out[BUTTER_MIRROR_OP_CONCAT] = ggml_mirror::OP_CONCAT;
 }
 
 /* Tensors and a buffer made by the running ggml, read through the mirror. */
@@ -127,6 +128,22 @@ int mirror_disagreements() {
         conv->ne[0] != 32 || conv->ne[1] != 5 || conv->ne[2] != 2 || cx->nb[1] != 8 * sizeof(float) ||
         conv->nb[1] != 32 * sizeof(float)) {
         wrong |= FIELD_OP;
+    }
+    /* a concatenation of a transposed view, as before a short convolution */
+    tensor *steps = ggml.new_tensor_2d(host.ctx, ggml_mirror::TYPE_F32, 32, 5);
+    tensor *flipped = steps == nullptr ? nullptr : ggml.transpose(host.ctx, steps);
+    tensor *joined = flipped == nullptr ? nullptr
+                                        : ggml.concat(host.ctx, ggml.new_tensor_2d(host.ctx,
+                                                          ggml_mirror::TYPE_F32, 3, 32),
+                                                      flipped, 0);
+    if (joined == nullptr) {
+        return wrong | FIELD_SETUP;
+    }
+    if (joined->op != ggml_mirror::OP_CONCAT || joined->src[1] != flipped ||
+        joined->op_params[0] != 0 || joined->ne[0] != 8 || joined->ne[1] != 32 ||
+        flipped->ne[0] != 5 || flipped->nb[0] != 32 * sizeof(float) ||
+        flipped->nb[1] != sizeof(float) || flipped->data != steps->data) {
+        wrong |= FIELD_OP | FIELD_VIEW;
     }
     if (k->type != ggml_mirror::TYPE_F16 || k->nb[0] != 2 || k->nb[1] != 128) {
         wrong |= FIELD_TYPE | FIELD_NB;

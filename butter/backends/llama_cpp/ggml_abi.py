@@ -63,7 +63,7 @@ COUNTER_SHORT_CONVS: Final = 12
 
 # butter_layer_matmul_mirror: the mirror's figures that Python checks against the running ggml
 # (its tensor size, its names of the type and op numbers), and each one's place.
-MIRRORED: Final = 13
+MIRRORED: Final = 14
 MIRROR_TENSOR_BYTES: Final = 0
 MIRROR_TYPE_F32: Final = 1
 MIRROR_TYPE_Q8_0: Final = 2
@@ -77,6 +77,7 @@ MIRROR_OP_FLASH_ATTN_EXT: Final = 9
 MIRROR_TYPE_F16: Final = 10
 MIRROR_OP_GATED_DELTA_NET: Final = 11
 MIRROR_OP_SSM_CONV: Final = 12
+MIRROR_OP_CONCAT: Final = 13
 
 # butter_layer_matmul_check_mirror: the bit (1 << n) of each field of tensors and buffers the
 # running ggml made that reads otherwise through the mirror.

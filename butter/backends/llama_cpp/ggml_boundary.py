@@ -124,6 +124,7 @@ def check_mirror(lib: Any, base: Any, cpu: Any) -> None:
     q8_0, q6_k, q5_k, q4_k, q4_1, q5_0 = (mirror[place] for place in TYPE_PLACES.values())
     mul_mat, attention = mirror[abi.MIRROR_OP_MUL_MAT], mirror[abi.MIRROR_OP_FLASH_ATTN_EXT]
     delta_net, conv = mirror[abi.MIRROR_OP_GATED_DELTA_NET], mirror[abi.MIRROR_OP_SSM_CONV]
+    concat = mirror[abi.MIRROR_OP_CONCAT]
     base.ggml_tensor_overhead.restype = _SIZE
     base.ggml_type_name.argtypes, base.ggml_type_name.restype = [_I32], ctypes.c_char_p
     base.ggml_op_name.argtypes, base.ggml_op_name.restype = [_I32], ctypes.c_char_p
@@ -142,13 +143,14 @@ def check_mirror(lib: Any, base: Any, cpu: Any) -> None:
         "op FLASH_ATTN_EXT": base.ggml_op_name(attention),
         "op GATED_DELTA_NET": base.ggml_op_name(delta_net),
         "op SSM_CONV": base.ggml_op_name(conv),
+        "op CONCAT": base.ggml_op_name(concat),
     }
     expected = {
         "tensor size": tensor_bytes, "type F32": b"f32", "type F16": b"f16", "type Q8_0": b"q8_0",
         "type Q6_K": b"q6_K", "type Q5_K": b"q5_K", "type Q4_1": b"q4_1",
         "type Q5_0": b"q5_0", "type Q4_K": b"q4_K", "op MUL_MAT": b"MUL_MAT",
         "op FLASH_ATTN_EXT": b"FLASH_ATTN_EXT", "op GATED_DELTA_NET": b"GATED_DELTA_NET",
-        "op SSM_CONV": b"SSM_CONV",
+        "op SSM_CONV": b"SSM_CONV", "op CONCAT": b"CONCAT",
     }
     wrong = [name for name in expected if found[name] != expected[name]]
     # Read through the mirror only once ggml's own answers agree with it.
