@@ -367,3 +367,18 @@ def test_the_closed_grammar_refuses_another_key_and_the_open_one_takes_it(
         assert accepts(open_schema, exact) and accepts(open_schema, extra)
     finally:
         backend.close()
+
+
+def test_a_loaded_model_has_read_its_vocabulary_for_constraints(demo_gguf: Path) -> None:
+    """The vocabulary llguidance needs is read while the model loads, and the load returns
+    only once it is: read beside the first request's steps, it took a core from them (the
+    demo's 262k tokens take about 1.5 s, longer than the rest of its load)."""
+    from butter.backends.llama_cpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(demo_gguf, n_cells=256, n_seq=1, n_batch=64, threads=2)
+    try:
+        grammars = backend.samplers.grammars
+        assert not grammars._builder.is_alive()
+        assert grammars._tokenizer is not None
+    finally:
+        backend.close()

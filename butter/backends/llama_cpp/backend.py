@@ -182,6 +182,11 @@ class LlamaCppBackend:
         self.placement_off: str | None = "--no-fit-threads" if not fit_threads else None
         if self.team_sizer is not None:
             self._worker.call(self._place_team)
+        # The vocabulary for constrained output is read on a thread of its own while the
+        # model loads, and a large one outlasts the load (2.8 s for Qwen3.5's 248k tokens):
+        # loaded before it is read, the first request's steps ran beside it, their team saw
+        # a core taken and shrank, and a 1.8k-token prefill took 7 s instead of 4.
+        self.samplers.grammars.wait_until_read()
 
     def _load_drafter(self, path: Path, *, required: bool, threads: int) -> None:
         model = self.model

@@ -33,8 +33,9 @@ class LlguidanceGrammars:
 
     llguidance's view of the vocabulary takes a second or two to build on a large one
     (1.5 s for Gemma 3's 262k tokens), so it is built on a thread of its own while the
-    model finishes loading, not in the first constrained request; `close` waits for it
-    (it reads the vocabulary, which is freed with the model)."""
+    model finishes loading, not in the first constrained request; the backend waits for it
+    before the model serves (`wait_until_read`: built beside the first steps, it took a core
+    from them), and `close` too (it reads the vocabulary, which is freed with the model)."""
 
     def __init__(self, model: LlamaModel) -> None:
         self._model = model
@@ -69,6 +70,10 @@ class LlguidanceGrammars:
             if self._tokenizer is None:
                 self._tokenizer = self._read_vocabulary()
             return self._tokenizer
+
+    def wait_until_read(self) -> None:
+        """Returns once the vocabulary has been read (or failed to be)."""
+        self._builder.join()
 
     def close(self) -> None:
         self._builder.join()
