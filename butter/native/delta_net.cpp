@@ -281,7 +281,7 @@ DeltaNet delta_net_traits;
  * x[c][t + i] x w[c][i], x being the layer's last d_conv - 1 inputs and the step's, one row
  * per channel. llama.cpp walks the channels for each token, a row of x (a cache line) apart
  * each; here each channel's 16 tokens at a time are one vector per weight, and a tile of 16
- * channels x 16 tokens goes out token by token. Each output is the same chain of fused
+ * channels x 16 tokens is transposed in registers and goes out token by token. Each output is the same chain of fused
  * multiply-adds from 0 in the same order as llama.cpp's (a native build contracts its
  * `sumf += s * c`), so the same bits: checked at registration (butter_layer_matmul_conv_probe). */
 bool takes_short_conv(const tensor *op) {
@@ -300,11 +300,32 @@ bool takes_short_conv(const tensor *op) {
 
 #define CONV_TARGET __attribute__((target("avx512f,fma")))
 
+/* A 16 x 16 block of floats transposed in registers: four rounds, each swapping one bit of
+ * the row number with the same bit of the column number between pairs of rows. */
+CONV_TARGET inline void transpose16(__m512 (&rows)[16]) {
+    for (int bit = 0; bit < 4; bit++) {
+        const int m = 1 << bit;
+        alignas(64) int32_t low[16], high[16];
+        for (int j = 0; j < 16; j++) { /* (16 + j: the partner row's lane j) */
+            low[j] = (j & m) == 0 ? j : 16 + (j ^ m);
+            high[j] = (j & m) == 0 ? (j ^ m) : 16 + j;
+        }
+        const __m512i take_low = _mm512_load_si512(low), take_high = _mm512_load_si512(high);
+        for (int i = 0; i < 16; i++) {
+            if ((i & m) == 0) {
+                const __m512 a = rows[i], b = rows[i | m];
+                rows[i] = _mm512_permutex2var_ps(a, take_low, b);
+                rows[i | m] = _mm512_permutex2var_ps(a, take_high, b);
+            }
+        }
+    }
+}
+
 /* One tile: channels [c0, c0 + 16) over tokens [t0, t0 + 16) of sequence `seq`. */
 CONV_TARGET void short_conv_tile(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
     const tensor *x = op->src[0], *w = op->src[1];
     const int64_t width = w->ne[0];
-    alignas(64) float tile[16 * 16]; /* [channel][token] */
+    __m512 sums[16]; /* a channel's 16 tokens each, then a token's 16 channels */
     for (int64_t c = 0; c < 16; c++) {
         const float *row = (const float *)((const char *)x->data + (c0 + c) * x->nb[1] +
                                            seq * x->nb[2]) + t0;
@@ -313,14 +334,12 @@ CONV_TARGET void short_conv_tile(const tensor *op, int64_t seq, int64_t c0, int6
         for (int64_t i = 0; i < width; i++) {
             sum = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(weights[i]), sum);
         }
-        _mm512_store_ps(tile + c * 16, sum);
+        sums[c] = sum;
     }
-    const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
-                                           192, 208, 224, 240);
+    transpose16(sums);
     for (int64_t t = 0; t < 16; t++) {
         float *out = (float *)((char *)op->data + (t0 + t) * op->nb[1] + seq * op->nb[2]) + c0;
-        const __m512i at = _mm512_add_epi32(down, _mm512_set1_epi32((int)t));
-        _mm512_storeu_ps(out, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, at, tile, 4));
+        _mm512_storeu_ps(out, sums[t]);
     }
 }
 
@@ -410,17 +429,13 @@ inline const float *element(const tensor *t, int64_t i0, int64_t i1, int64_t i2,
  * from's i1 is the row, i0 the column) to rows r0.. of `to`, starting at column `at`. */
 CONV_TARGET void concat_tile(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t c0,
                              int64_t i2, int64_t i3) {
-    alignas(64) float tile[16 * 16]; /* [column][row] as read */
+    __m512 block[16]; /* a column's 16 rows each, then a row's 16 columns */
     for (int64_t c = 0; c < 16; c++) {
-        _mm512_store_ps(tile + c * 16, _mm512_loadu_ps(element(from, c0 + c, r0, i2, i3)));
+        block[c] = _mm512_loadu_ps(element(from, c0 + c, r0, i2, i3));
     }
-    const __m512i down = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176,
-                                           192, 208, 224, 240);
+    transpose16(block);
     for (int64_t r = 0; r < 16; r++) {
-        const __m512i column = _mm512_add_epi32(down, _mm512_set1_epi32((int)r));
-        float *out = (float *)element(to, at + c0, r0 + r, i2, i3);
-        _mm512_storeu_ps(out, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), 0xFFFF, column,
-                                                        tile, 4));
+        _mm512_storeu_ps((float *)element(to, at + c0, r0 + r, i2, i3), block[r]);
     }
 }
 
