@@ -550,8 +550,9 @@ def test_llama_cpp_threads_start_only_on_the_backends_thread_and_a_passing_one(
 
 def _q8_k_rows() -> list[np.ndarray]:
     """Rows of 3 blocks each: random, with a zero block, with ties for the largest
-    magnitude (the first wins), with NaNs ggml's scan passes over, and values at .5 after
-    scaling (ties of the rounding)."""
+    magnitude (the first wins), with NaNs ggml's scan passes over (one with a payload), values
+    at .5 after scaling (ties of the rounding), and a block too small for its scale (an
+    infinite iscale)."""
     rng = np.random.default_rng(11)
     rows = [rng.standard_normal(768).astype(np.float32) * scale for scale in (1e-3, 1.0, 40.0)]
     zero = rng.standard_normal(768).astype(np.float32)
@@ -560,12 +561,16 @@ def _q8_k_rows() -> list[np.ndarray]:
     ties[[3, 200, 300, 301]] = [-2.0, 2.0, 2.0, -2.0]
     nan = rng.standard_normal(768).astype(np.float32)
     nan[[5, 600]] = np.nan
-    halves = (np.arange(768, dtype=np.float32) - 384.0) / 2.0  # iscale 1: x.5 everywhere
-    halves[0] = -127.0
-    return [*rows, zero, ties, nan, halves]
+    nan[7:8].view(np.uint32)[0] = 0x7FC00055  # a NaN with a payload: ggml stores 85
+    # each block's largest -127 (iscale exactly 1), the rest x.5: a tie at every float
+    halves = np.tile((np.arange(256, dtype=np.float32) - 128.0) / 2.0, 3)
+    halves[::256] = -127.0
+    tiny = rng.standard_normal(768).astype(np.float32)
+    tiny[256:512] = 1e-39  # -127 / 1e-39 overflows: every product an inf
+    return [*rows, zero, ties, nan, halves, tiny]
 
 
-@pytest.mark.parametrize("row", range(7))
+@pytest.mark.parametrize("row", range(8))
 def test_butters_q8_k_activations_are_ggmls_bytes(row: int) -> None:
     """butter's K-quant matmuls quantize activations with their own vectorized Q8_K (ggml's
     quantize_row_q8_K is scalar on x86): the same bytes as ggml's, d, quants and sums."""

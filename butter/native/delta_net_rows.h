@@ -10,8 +10,9 @@ using V = W::V;
 
 /* ggml_vec_dot_f32 of a row held in registers (DIM floats) with y: whole steps of 4
  * vectors into 4 accumulators, reduced as ggml reduces them, then the floats past the last
- * whole step one at a time, in order, each product rounded before it is added (ggml's
- * build does not contract `sumf += x[i]*y[i]`; `volatile` keeps this one from it too). */
+ * whole step one at a time, in order, each product rounded before it is added (as the
+ * native build computes ggml's leftovers of 8 or more: `volatile` keeps this one from
+ * being contracted into an FMA). */
 template <int DIM>
 DELTA_TARGET inline float delta_dot(const V *row, const float *y) {
     constexpr int N = DIM / W::FLOATS, STEPPED = DIM / (4 * W::FLOATS) * 4;

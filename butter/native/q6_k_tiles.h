@@ -45,8 +45,9 @@
 /* One row of activations as ggml's quantize_row_q8_K (quantize_row_q8_K_ref on x86) makes
  * it, byte for byte, 8 floats at a time: per block of 256 the value of largest magnitude
  * (the first, where several tie), iscale = -127 / it, each q = min(127, round-to-even(
- * iscale x)) (ggml's nearest_int is that rounding; 0 for a NaN), sums of 16, d = 1 /
- * iscale; a block of zeros (or of NaNs, which ggml's scan passes over) has d = 0, qs = 0. */
+ * iscale x)) (ggml's nearest_int is that rounding; an inf or NaN product gives what its
+ * bit trick gives) stored as int8 (the low byte), sums of 16, d = 1 / iscale; a block of
+ * zeros (or of NaNs, which ggml's scan passes over) has d = 0, qs = 0. */
 AVX2_TARGET static inline void q8_k_quantize_row(const float *x, uint8_t *y, int64_t k) {
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -77,12 +78,21 @@ AVX2_TARGET static inline void q8_k_quantize_row(const float *x, uint8_t *y, int
         const float iscale = -127.f / max;
         const __m256 scale = _mm256_set1_ps(iscale);
         const __m256i most = _mm256_set1_epi32(127);
+        const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+        const __m256i mantissa = _mm256_set1_epi32(0x007fffff), half = _mm256_set1_epi32(0x400000);
         for (int j = 0; j < QK_K; j += 32) {
             __m256i q[4];
-            for (int i = 0; i < 4; i++) { /* (a NaN product is 0 to ggml: NaN's mantissa bits) */
+            for (int i = 0; i < 4; i++) {
                 const __m256 v = _mm256_mul_ps(scale, _mm256_loadu_ps(x + j + 8 * i));
-                const __m256i number = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
-                q[i] = _mm256_and_si256(number, _mm256_min_epi32(most, _mm256_cvtps_epi32(v)));
+                const __m256i bits = _mm256_castps_si256(v);
+                const __m256i finite = _mm256_cmpgt_epi32(
+                    exponent, _mm256_and_si256(bits, exponent)); /* (exponent not all ones) */
+                /* ggml's nearest_int of an inf or NaN: its mantissa bits less 2^22 */
+                const __m256i odd = _mm256_sub_epi32(_mm256_and_si256(bits, mantissa), half);
+                const __m256i value = _mm256_min_epi32(
+                    most, _mm256_blendv_epi8(odd, _mm256_cvtps_epi32(v), finite));
+                /* stored to an int8 as ggml stores it: its low byte */
+                q[i] = _mm256_srai_epi32(_mm256_slli_epi32(value, 24), 24);
             }
             for (int half = 0; half < 2; half++) {
                 const __m256i sum = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);

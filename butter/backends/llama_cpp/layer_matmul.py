@@ -32,6 +32,7 @@ import ctypes
 import logging
 import os
 import threading
+from array import array
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -414,14 +415,24 @@ def _checked_delta_net(kernels: LayerMatmul) -> str:
         return "llama.cpp (this CPU has neither AVX2 with FMA nor AVX-512)"
     try:
         theirs = [kernels.delta_net_probe(width=0, **probe) for probe in DELTA_NET_PROBES]
-        for width in widths:
-            ours = [kernels.delta_net_probe(width=width, **probe) for probe in DELTA_NET_PROBES]
-            if ours == theirs:
-                kernels.use_delta_net(width)
-                return f"butter ({'AVX-512' if width == 16 else 'AVX2'})"
-    except (Unavailable, ValueError) as exc:
+    except ValueError as exc:
         return f"llama.cpp ({exc})"
-    return "llama.cpp (no width gives llama.cpp's bits: ggml summed in another order)"
+    why_not = "no width gives llama.cpp's bits: ggml summed in another order"
+    for width in widths:
+        try:
+            ours = [kernels.delta_net_probe(width=width, **probe) for probe in DELTA_NET_PROBES]
+        except (Unavailable, ValueError) as exc:
+            why_not = str(exc)
+            continue
+        if all(map(_same_bits, ours, theirs)):
+            kernels.use_delta_net(width)
+            return f"butter ({'AVX-512' if width == 16 else 'AVX2'})"
+    return f"llama.cpp ({why_not})"
+
+
+def _same_bits(ours: list[float], theirs: list[float]) -> bool:
+    """Whether two probes' floats are the same bits (0.0 and -0.0 differ; NaNs compare)."""
+    return array("f", ours).tobytes() == array("f", theirs).tobytes()
 
 
 # The short convolution probes: a decode step, a prompt step of whole tiles and a partial
@@ -440,7 +451,8 @@ def _checked_short_conv(kernels: LayerMatmul) -> str:
         return "llama.cpp (AVX-512 only)"
     try:
         theirs = [kernels.conv_probe(butter=False, **probe) for probe in CONV_PROBES]
-        if [kernels.conv_probe(butter=True, **probe) for probe in CONV_PROBES] != theirs:
+        ours = [kernels.conv_probe(butter=True, **probe) for probe in CONV_PROBES]
+        if not all(map(_same_bits, ours, theirs)):
             return "llama.cpp (butter's sums differ from llama.cpp's in the last bits)"
         kernels.use_short_conv(True)
     except (Unavailable, ValueError) as exc:
