@@ -203,17 +203,19 @@ def test_what_routers_and_uis_poll_answers_during_a_swap(swap_server: ServerProc
 def test_memory_does_not_grow_across_alternating_swaps(swap_server: ServerProcess) -> None:
     api = client(swap_server)
     # The allocator's arenas settle in steps of a few MiB over the first swaps (measured flat
-    # from about the 20th on); a leak grows with every swap after that.
+    # from about the 20th on); a leak grows with every swap after that. Past them, RSS still
+    # moves by a step of about 32 MiB that comes and goes over tens of swaps (measured over
+    # 60 swaps, the same with and without the load's wait for the vocabulary): 20 swaps
+    # more, so that a context leaked per swap (16 MiB) would add 320 MiB, far past it.
     for index in range(20):
         api.chat.completions.create(model=("tiny-a", "tiny-b")[index % 2], messages=MESSAGES,
                                     max_tokens=2)
     baseline = rss_kib(swap_server)
-    for index in range(10):
+    for index in range(20):
         api.chat.completions.create(model=("tiny-a", "tiny-b")[index % 2], messages=MESSAGES,
                                     max_tokens=2)
     growth_mib = (rss_kib(swap_server) - baseline) / 1024
-    # One KV pool here is 16 MiB: holding two models (or leaking contexts) would show.
-    assert growth_mib < 12, growth_mib
+    assert growth_mib < 64, growth_mib
 
 
 def test_swapping_can_be_disabled(models_dir: Path) -> None:
