@@ -31,6 +31,10 @@ std::atomic<bool> short_conv{false};
 std::atomic<int64_t> short_convs{0}, probe_short_convs{0};
 
 namespace {
+std::atomic<int64_t> probe_concats{0}; /* (the short convolution probe's CONCATs) */
+}  // namespace
+
+namespace {
 
 #define DELTA_WIDE_TARGET __attribute__((target("avx512f,avx2,fma")))
 #define DELTA_INLINE __attribute__((always_inline))
@@ -453,8 +457,8 @@ void concat_floats(const tensor *from, tensor *to, int64_t at, int64_t r0, int64
 
 void concat_part(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t r1,
                  int64_t i2, int64_t i3) {
-    int64_t c0 = 0;
-    if (from->nb[1] == sizeof(float) && r1 - r0 == 16 && (delta_net_widths() & 16)) {
+    int64_t c0 = 0; /* (taken only with short_conv, which is on only with AVX-512) */
+    if (from->nb[1] == sizeof(float) && r1 - r0 == 16) {
         for (; c0 + 16 <= from->ne[0]; c0 += 16) {
             concat_tile(from, to, at, r0, c0, i2, i3);
         }
@@ -472,6 +476,9 @@ void concatenate(compute_params *params, tensor *op) {
         const int64_t r0 = task % per_matrix * 16, r1 = r0 + 16 < op->ne[1] ? r0 + 16 : op->ne[1];
         concat_part(a, op, 0, r0, r1, i2, i3);
         concat_part(b, op, a->ne[0], r0, r1, i2, i3);
+    }
+    if (params->ith == 0 && probing.load()) {
+        probe_concats.fetch_add(1, std::memory_order_relaxed);
     }
 }
 
@@ -545,9 +552,9 @@ int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width,
     const bool was = short_conv.load();
     short_conv.store(butter);
     probing.store(true);
-    const int64_t ran_before = probe_short_convs.load();
+    const int64_t convs_before = probe_short_convs.load(), concats_before = probe_concats.load();
     const int status = ggml.graph_compute_with_ctx(compute.ctx, graph, threads);
-    *ran = probe_short_convs.load() > ran_before ? 1 : 0;
+    *ran = probe_short_convs.load() > convs_before && probe_concats.load() > concats_before;
     probing.store(false);
     short_conv.store(was);
     if (status != ggml_mirror::STATUS_SUCCESS) {

@@ -296,7 +296,8 @@ BUTTER_API int32_t butter_layer_matmul_short_conv(int32_t on) {
 /* One short convolution through a real ggml graph on `threads` threads, by butter
  * (`butter` 1, where it can) or by llama.cpp: `tokens` outputs of each of `channels`
  * channels (a multiple of 16) of `seqs` sequences, `width` weights a channel; inputs drawn
- * from `seed`. out: channels x tokens x seqs floats; *ran: 1 if butter computed it. */
+ * from `seed`, joined by a CONCAT as llama.cpp joins them. out: channels x tokens x seqs
+ * floats; *ran: 1 if butter computed both the CONCAT and the convolution. */
 BUTTER_API int32_t butter_layer_matmul_conv_probe(int32_t butter, int64_t tokens,
                                                   int64_t channels, int64_t width, int64_t seqs,
                                                   int32_t threads, int64_t seed, float *out,

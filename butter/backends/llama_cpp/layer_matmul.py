@@ -205,11 +205,7 @@ class LayerMatmul:
             int(butter), rows, cells, cells if view is None else view, placement, heads,
             kv_heads, dim, threads, seed, max_bias, softcap, out, ctypes.sizeof(out),
             ctypes.byref(ran))
-        if status != OK:
-            raise ValueError(f"the attention probe could not run (status {status})")
-        if butter and not ran.value:
-            raise Unavailable("llama.cpp did not call butter's decode attention")
-        return list(out)
+        return _probe_output(status, butter and not ran.value, out, "decode attention")
 
     def delta_net_widths(self) -> list[int]:
         """The vector widths (floats: 16 for AVX-512, 8 for AVX2) at which this CPU can
@@ -238,11 +234,7 @@ class LayerMatmul:
         status = self._lib.butter_layer_matmul_delta_net_probe(
             width, tokens, heads, dim, seqs, snapshots, int(per_column), threads, seed, out,
             ctypes.sizeof(out), ctypes.byref(ran))
-        if status != OK:
-            raise ValueError(f"the Gated DeltaNet probe could not run (status {status})")
-        if width and not ran.value:
-            raise Unavailable("llama.cpp did not call butter's Gated DeltaNet")
-        return list(out)
+        return _probe_output(status, bool(width) and not ran.value, out, "Gated DeltaNet")
 
     def use_short_conv(self, on: bool) -> None:
         """Whether butter computes the short convolutions before recurrent layers (ggml's
@@ -262,11 +254,7 @@ class LayerMatmul:
         status = self._lib.butter_layer_matmul_conv_probe(
             int(butter), tokens, channels, width, seqs, threads, seed, out, ctypes.sizeof(out),
             ctypes.byref(ran))
-        if status != OK:
-            raise ValueError(f"the short convolution probe could not run (status {status})")
-        if butter and not ran.value:
-            raise Unavailable("llama.cpp did not call butter's short convolution")
-        return list(out)
+        return _probe_output(status, butter and not ran.value, out, "short convolution")
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
@@ -278,6 +266,16 @@ class LayerMatmul:
                 yield
             finally:
                 self._lib.butter_layer_matmul_accept(0)
+
+
+def _probe_output(status: int, not_butters: bool, out: Any, what: str) -> list[float]:
+    """A probe's floats; ValueError if it could not run, Unavailable if butter's `what`
+    was asked for and llama.cpp computed it."""
+    if status != OK:
+        raise ValueError(f"the {what} probe could not run (status {status})")
+    if not_butters:
+        raise Unavailable(f"llama.cpp did not call butter's {what}")
+    return list(out)
 
 
 _registering = threading.Lock()
