@@ -91,22 +91,57 @@ def test_a_width_this_cpu_lacks_is_refused() -> None:
         k.delta_net_probe(width=4, tokens=1, heads=1, dim=128)
 
 
+def conv_lanes() -> tuple[LayerMatmul, int]:
+    """The registered library and the vectors its short convolution runs on here: the
+    widest this CPU has (each output is one chain of FMAs whatever the width, so every width
+    gives llama.cpp's bits and the registration check keeps the widest)."""
+    k = registered()
+    if not k.delta_net_widths():
+        pytest.skip("this CPU has neither AVX2 with FMA nor AVX-512")
+    lanes = k.delta_net_widths()[0]
+    assert k.short_conv == f"butter ({'AVX-512' if lanes == 16 else 'AVX2'})"
+    return k, lanes
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
 @pytest.mark.parametrize("probe", [
     {"tokens": 1, "channels": 96},  # a decode step
-    {"tokens": 16, "channels": 16, "threads": 1},  # one whole tile
+    {"tokens": 16, "channels": 16, "threads": 1},  # one whole tile (two at 8 lanes)
     {"tokens": 47, "channels": 64, "seqs": 2, "threads": 3},  # tiles and a tail
     {"tokens": 33, "channels": 32, "width": 3},  # LFM2's width
     {"tokens": 20, "channels": 48, "width": 2},
+    {"tokens": 21, "channels": 32, "width": 5},  # 4 weights and a leftover
 ])
-def test_butters_short_convolution_gives_llama_cpps_bits(probe: dict[str, int]) -> None:
-    k = registered()
-    if 16 not in k.delta_net_widths():
-        pytest.skip("butter's short convolution is AVX-512 only")
-    assert k.short_conv == "butter (AVX-512)"
-    ours = np.array(k.conv_probe(butter=True, **probe), dtype=np.float32)
-    theirs = np.array(k.conv_probe(butter=False, **probe), dtype=np.float32)
+def test_butters_short_convolution_gives_llama_cpps_bits(probe: dict[str, int],
+                                                         lanes: int) -> None:
+    k, _ = conv_lanes()
+    if lanes not in k.delta_net_widths():
+        pytest.skip(f"this CPU has no vectors of {lanes} floats")
+    ours = np.array(k.conv_probe(lanes=lanes, rounding=k.conv_rounding, **probe),
+                    dtype=np.float32)
+    theirs = np.array(k.conv_probe(lanes=0, **probe), dtype=np.float32)
     assert np.isfinite(theirs).all() and np.abs(theirs).max() > 0.1
     assert ours.view(np.uint32).tolist() == theirs.view(np.uint32).tolist()
+
+
+def test_a_convolution_rounded_another_way_is_told_apart() -> None:
+    """The registration check sees how llama.cpp's build sums a convolution: the other
+    rounding differs from llama.cpp's on a width of 6 (4 weights and 2 leftovers), the
+    registered one does not."""
+    k, lanes = conv_lanes()
+    probe = {"tokens": 19, "channels": 16, "width": 6}
+    theirs = k.conv_probe(lanes=0, **probe)
+    other = next(r for r in layer_matmul.CONV_ROUNDINGS if r != k.conv_rounding)
+    assert k.conv_probe(lanes=lanes, rounding=other, **probe) != theirs
+    assert k.conv_probe(lanes=lanes, rounding=k.conv_rounding, **probe) == theirs
+
+
+def test_short_convolution_lanes_this_cpu_lacks_are_refused() -> None:
+    k = registered()
+    with pytest.raises(ValueError, match="no short convolution of 4 lanes"):
+        k.use_short_conv(4)
+    with pytest.raises(ValueError, match="could not run"):
+        k.conv_probe(lanes=4, tokens=1, channels=16)
 
 
 @pytest.fixture(scope="module", params=["tiny_qwen35_gguf", "tiny_lfm2_gguf"])
@@ -123,28 +158,25 @@ def test_a_hybrid_model_gives_the_same_logits_and_text_either_way(
     convolution) and the tiny LFM2 (short convolutions alone): two prompts prefilled side by
     side in one step (two sequences of each op), then 12 greedy tokens each: butter's ops
     ran, and the logits and tokens are llama.cpp's, bit for bit."""
-    k = registered()
+    k, lanes = conv_lanes()
+    rounding = k.conv_rounding
     width = ggml_width() if ggml_width() in k.delta_net_widths() else 0
-    convolves = 16 in k.delta_net_widths()
-    if not width and not convolves:
-        pytest.skip("neither of butter's recurrent ops runs here")
     name, model = backend
     prompts = [PROMPT * 2, PROMPT[::-1]]
     before = k.counters()
     ours, ours_first = generate_greedy(model, prompts, 12)
     after = k.counters()
-    if convolves:
-        assert after.short_convs > before.short_convs
+    assert after.short_convs > before.short_convs
     if width and "qwen35" in name:
         assert after.delta_nets > before.delta_nets
     try:
         k.use_delta_net(0)
-        k.use_short_conv(False)
+        k.use_short_conv(0)
         theirs, theirs_first = generate_greedy(model, prompts, 12)
         again = k.counters()  # llama.cpp computed them this time:
         assert (again.delta_nets, again.short_convs) == (after.delta_nets, after.short_convs)
     finally:
         k.use_delta_net(width)
-        k.use_short_conv(convolves)
+        k.use_short_conv(lanes, rounding)
     assert ours == theirs
     assert ours_first.view(np.uint32).tolist() == theirs_first.view(np.uint32).tolist()

@@ -27,7 +27,7 @@ namespace butter {
 
 std::atomic<int> delta_net_width{0};
 std::atomic<int64_t> delta_nets{0}, probe_delta_nets{0};
-std::atomic<bool> short_conv{false};
+std::atomic<int> short_conv_width{0}, short_conv_rounding{0};
 std::atomic<int64_t> short_convs{0}, probe_short_convs{0};
 
 namespace {
@@ -135,11 +135,32 @@ struct Wide {
     DELTA_WIDE_TARGET DELTA_INLINE static V zero() { return _mm512_setzero_ps(); }
     DELTA_WIDE_TARGET DELTA_INLINE static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     DELTA_WIDE_TARGET DELTA_INLINE static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    DELTA_WIDE_TARGET DELTA_INLINE static V add(V a, V b) { return _mm512_add_ps(a, b); }
     DELTA_WIDE_TARGET DELTA_INLINE static float reduce(V *x) {
         x[0] = _mm512_add_ps(x[0], x[2]);
         x[1] = _mm512_add_ps(x[1], x[3]);
         x[0] = _mm512_add_ps(x[0], x[1]);
         return _mm512_reduce_add_ps(x[0]);
+    }
+    /* A 16 x 16 block transposed in registers: four rounds, each swapping one bit of the
+     * row number with the same bit of the column number between pairs of rows. */
+    DELTA_WIDE_TARGET DELTA_INLINE static void transpose(V (&rows)[FLOATS]) {
+        for (int bit = 0; bit < 4; bit++) {
+            const int m = 1 << bit;
+            alignas(64) int32_t low[16], high[16];
+            for (int j = 0; j < 16; j++) { /* (16 + j: the partner row's lane j) */
+                low[j] = (j & m) == 0 ? j : 16 + (j ^ m);
+                high[j] = (j & m) == 0 ? (j ^ m) : 16 + j;
+            }
+            const __m512i take_low = _mm512_load_si512(low), take_high = _mm512_load_si512(high);
+            for (int i = 0; i < 16; i++) {
+                if ((i & m) == 0) {
+                    const __m512 a = rows[i], b = rows[i | m];
+                    rows[i] = _mm512_permutex2var_ps(a, take_low, b);
+                    rows[i | m] = _mm512_permutex2var_ps(a, take_high, b);
+                }
+            }
+        }
     }
 };
 
@@ -152,6 +173,7 @@ struct Narrow {
     AVX2_TARGET DELTA_INLINE static V zero() { return _mm256_setzero_ps(); }
     AVX2_TARGET DELTA_INLINE static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     AVX2_TARGET DELTA_INLINE static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    AVX2_TARGET DELTA_INLINE static V add(V a, V b) { return _mm256_add_ps(a, b); }
     AVX2_TARGET DELTA_INLINE static float reduce(V *x) {
         x[0] = _mm256_add_ps(x[0], x[2]);
         x[1] = _mm256_add_ps(x[1], x[3]);
@@ -159,6 +181,25 @@ struct Narrow {
         const __m128 t0 = _mm_add_ps(_mm256_castps256_ps128(x[0]), _mm256_extractf128_ps(x[0], 1));
         const __m128 t1 = _mm_hadd_ps(t0, t0);
         return _mm_cvtss_f32(_mm_hadd_ps(t1, t1));
+    }
+    /* An 8 x 8 block transposed in registers: pairs of rows interleaved, then pairs of
+     * pairs, then the 128-bit halves exchanged. */
+    AVX2_TARGET DELTA_INLINE static void transpose(V (&rows)[FLOATS]) {
+        V pairs[8], quads[8];
+        for (int i = 0; i < 8; i += 2) {
+            pairs[i] = _mm256_unpacklo_ps(rows[i], rows[i + 1]);
+            pairs[i + 1] = _mm256_unpackhi_ps(rows[i], rows[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            quads[i] = _mm256_shuffle_ps(pairs[i], pairs[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+            quads[i + 1] = _mm256_shuffle_ps(pairs[i], pairs[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+            quads[i + 2] = _mm256_shuffle_ps(pairs[i + 1], pairs[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+            quads[i + 3] = _mm256_shuffle_ps(pairs[i + 1], pairs[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+        }
+        for (int i = 0; i < 4; i++) {
+            rows[i] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x20);
+            rows[i + 4] = _mm256_permute2f128_ps(quads[i], quads[i + 4], 0x31);
+        }
     }
 };
 
@@ -216,10 +257,17 @@ void delta_gates(const DeltaHead &h, float *gates) {
     }
 }
 
+/* Element (i0, i1, i2, i3) of a tensor. */
+inline const float *element(const tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return (const float *)((const char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] +
+                           i2 * t->nb[2] + i3 * t->nb[3]);
+}
+
 #define DELTA_TARGET DELTA_WIDE_TARGET
 #define DELTA_LANES Wide
 namespace wide {
 #include "delta_net_rows.h"
+#include "conv_tiles.h"
 }  // namespace wide
 #undef DELTA_TARGET
 #undef DELTA_LANES
@@ -228,6 +276,7 @@ namespace wide {
 #define DELTA_LANES Narrow
 namespace narrow {
 #include "delta_net_rows.h"
+#include "conv_tiles.h"
 }  // namespace narrow
 #undef DELTA_TARGET
 #undef DELTA_LANES
@@ -284,78 +333,54 @@ DeltaNet delta_net_traits;
  * Mamba's conv1d, LFM2's short conv): out[t][c] = sum over i < d_conv of
  * x[c][t + i] x w[c][i], x being the layer's last d_conv - 1 inputs and the step's, one row
  * per channel. llama.cpp walks the channels for each token, a row of x (a cache line) apart
- * each; here each channel's 16 tokens at a time are one vector per weight, and a tile of 16
- * channels x 16 tokens is transposed in registers and goes out token by token. Each output is the same chain of fused
- * multiply-adds from 0 in the same order as llama.cpp's (a native build contracts its
- * `sumf += s * c`), so the same bits: checked at registration (butter_layer_matmul_conv_probe). */
-bool takes_short_conv(const tensor *op) {
-    if (op->op != ggml_mirror::OP_SSM_CONV || !short_conv.load(std::memory_order_relaxed)) {
+ * each; here a channel's tokens are one vector (16 floats with AVX-512, 8 with AVX2) per
+ * weight, and a square tile of channels x tokens is transposed in registers and goes out
+ * token by token (conv_tiles.h). Each output is summed in the same order with the same
+ * roundings as llama.cpp's `sumf += s * c` was compiled to, so the same bits: a native build
+ * contracts it into a chain of FMAs, unless the compiler vectorized the loop over the
+ * weights (GCC for AVX2 takes 4 or 8 products at a time, rounds them, and adds them in
+ * order, fusing only the leftovers). butter sums the first rounded_products() terms
+ * unfused and the rest fused; which rounding matches is found at registration
+ * (butter_layer_matmul_conv_probe). */
+bool takes_short_conv(const tensor *op, int lanes) {
+    if (op->op != ggml_mirror::OP_SSM_CONV || lanes == 0) {
         return false;
     }
     const tensor *x = op->src[0], *w = op->src[1];
-    return is_f32(x) && is_f32(w) && is_f32(op) && w->ne[0] >= 1 && w->ne[0] <= 8 &&
+    /* (widths past the registration probes' 6 may meet a compiler's wider chunks: models
+     * have 3 or 4) */
+    return is_f32(x) && is_f32(w) && is_f32(op) && w->ne[0] >= 1 && w->ne[0] <= 6 &&
            x->ne[0] == w->ne[0] - 1 + op->ne[1] && x->ne[1] == w->ne[1] &&
-           op->ne[0] == x->ne[1] && op->ne[2] == x->ne[2] && x->ne[1] % 16 == 0 &&
+           op->ne[0] == x->ne[1] && op->ne[2] == x->ne[2] && x->ne[1] % lanes == 0 &&
            x->nb[0] == sizeof(float) && x->nb[1] == (size_t)x->ne[0] * sizeof(float) &&
            w->nb[0] == sizeof(float) && op->nb[0] == sizeof(float);
 }
 
+/* How many of a convolution's leading `width` terms are summed as rounded products: none
+ * (short_conv_rounding 0), or the whole multiples of short_conv_rounding. */
+int64_t rounded_products(int64_t width) {
+    const int64_t block = short_conv_rounding.load(std::memory_order_relaxed);
+    return block == 0 ? 0 : width / block * block;
+}
+
 #ifdef BUTTER_X86
 
-#define CONV_TARGET __attribute__((target("avx512f,fma")))
-
-/* A 16 x 16 block of floats transposed in registers: four rounds, each swapping one bit of
- * the row number with the same bit of the column number between pairs of rows. */
-CONV_TARGET inline void transpose16(__m512 (&rows)[16]) {
-    for (int bit = 0; bit < 4; bit++) {
-        const int m = 1 << bit;
-        alignas(64) int32_t low[16], high[16];
-        for (int j = 0; j < 16; j++) { /* (16 + j: the partner row's lane j) */
-            low[j] = (j & m) == 0 ? j : 16 + (j ^ m);
-            high[j] = (j & m) == 0 ? (j ^ m) : 16 + j;
-        }
-        const __m512i take_low = _mm512_load_si512(low), take_high = _mm512_load_si512(high);
-        for (int i = 0; i < 16; i++) {
-            if ((i & m) == 0) {
-                const __m512 a = rows[i], b = rows[i | m];
-                rows[i] = _mm512_permutex2var_ps(a, take_low, b);
-                rows[i | m] = _mm512_permutex2var_ps(a, take_high, b);
-            }
-        }
-    }
-}
-
-/* One tile: channels [c0, c0 + 16) over tokens [t0, t0 + 16) of sequence `seq`. */
-CONV_TARGET void short_conv_tile(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
+/* Tokens past the last whole tile, one output at a time, as llama.cpp sums each: the first
+ * `rounded` products rounded, then added, the rest fused. */
+void short_conv_tail(const tensor *op, int64_t seq, int64_t c0, int64_t c1, int64_t t0,
+                     int64_t rounded) {
     const tensor *x = op->src[0], *w = op->src[1];
-    const int64_t width = w->ne[0];
-    __m512 sums[16]; /* a channel's 16 tokens each, then a token's 16 channels */
-    for (int64_t c = 0; c < 16; c++) {
-        const float *row = (const float *)((const char *)x->data + (c0 + c) * x->nb[1] +
-                                           seq * x->nb[2]) + t0;
-        const float *weights = (const float *)((const char *)w->data + (c0 + c) * w->nb[1]);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t i = 0; i < width; i++) {
-            sum = _mm512_fmadd_ps(_mm512_loadu_ps(row + i), _mm512_set1_ps(weights[i]), sum);
-        }
-        sums[c] = sum;
-    }
-    transpose16(sums);
-    for (int64_t t = 0; t < 16; t++) {
-        float *out = (float *)((char *)op->data + (t0 + t) * op->nb[1] + seq * op->nb[2]) + c0;
-        _mm512_storeu_ps(out, sums[t]);
-    }
-}
-
-/* Tokens past the last whole tile, one output at a time, as llama.cpp sums each. */
-void short_conv_tail(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
-    const tensor *x = op->src[0], *w = op->src[1];
-    for (int64_t c = c0; c < c0 + 16; c++) {
+    for (int64_t c = c0; c < c1; c++) {
         const float *row = (const float *)((const char *)x->data + c * x->nb[1] + seq * x->nb[2]);
         const float *weights = (const float *)((const char *)w->data + c * w->nb[1]);
         for (int64_t t = t0; t < op->ne[1]; t++) {
             float sum = 0.0f;
-            for (int64_t i = 0; i < w->ne[0]; i++) {
+            for (int64_t i = 0; i < rounded; i++) {
+                float product = row[t + i] * weights[i];
+                __asm__("" : "+x"(product)); /* (kept from being fused into the add) */
+                sum += product;
+            }
+            for (int64_t i = rounded; i < w->ne[0]; i++) {
                 sum = fmaf(row[t + i], weights[i], sum);
             }
             *((float *)((char *)op->data + t * op->nb[1] + seq * op->nb[2]) + c) = sum;
@@ -363,17 +388,22 @@ void short_conv_tail(const tensor *op, int64_t seq, int64_t c0, int64_t t0) {
     }
 }
 
-/* This thread's share: blocks of 16 channels of a sequence, cut evenly. */
-void convolve(compute_params *params, tensor *op) {
-    const int64_t blocks = op->ne[0] / 16, tasks = op->ne[2] * blocks, tokens = op->ne[1];
+/* This thread's share: blocks of `lanes` channels of a sequence, cut evenly. */
+void convolve(compute_params *params, tensor *op, int lanes) {
+    const int64_t blocks = op->ne[0] / lanes, tasks = op->ne[2] * blocks, tokens = op->ne[1];
+    const int64_t rounded = rounded_products(op->src[1]->ne[0]);
     for (int64_t task = tasks * params->ith / params->nth;
          task < tasks * (params->ith + 1) / params->nth; task++) {
-        const int64_t seq = task / blocks, c0 = task % blocks * 16;
+        const int64_t seq = task / blocks, c0 = task % blocks * lanes;
         int64_t t0 = 0;
-        for (; t0 + 16 <= tokens; t0 += 16) {
-            short_conv_tile(op, seq, c0, t0);
+        for (; t0 + lanes <= tokens; t0 += lanes) {
+            if (lanes == Wide::FLOATS) {
+                wide::short_conv_tile(op, seq, c0, t0, rounded);
+            } else {
+                narrow::short_conv_tile(op, seq, c0, t0, rounded);
+            }
         }
-        short_conv_tail(op, seq, c0, t0);
+        short_conv_tail(op, seq, c0, c0 + lanes, t0, rounded);
     }
     if (params->ith == 0) {
         (probing.load() ? probe_short_convs : short_convs).fetch_add(1, std::memory_order_relaxed);
@@ -390,10 +420,11 @@ class ShortConv : public ggml_mirror::tensor_traits {
 
     bool compute_forward(compute_params *params, tensor *op) override {
 #ifdef BUTTER_X86
-        if (!takes_short_conv(op)) {
+        const int lanes = short_conv_width.load(std::memory_order_relaxed);
+        if (!takes_short_conv(op, lanes)) {
             return false;
         }
-        convolve(params, op);
+        convolve(params, op, lanes);
         return true;
 #else
         (void)params, (void)op;
@@ -407,11 +438,12 @@ ShortConv short_conv_traits;
 /* The concatenation before each short convolution (ggml's CONCAT along dim 0: the layer's
  * last d_conv - 1 inputs, then the step's, transposed to one row per channel). llama.cpp's
  * CONCAT shares out only dim 2 (sequences), so with one sequence a thread copies it all,
- * float by float, while the others wait. Here every thread takes blocks of 16 rows, and a
- * source whose rows are its columns (a transposed view) is copied 16 x 16 at a time. A
- * copy: the same bits whatever the order. */
-bool takes_concat(const tensor *op) {
-    if (op->op != ggml_mirror::OP_CONCAT || !short_conv.load(std::memory_order_relaxed)) {
+ * float by float, while the others wait. Here every thread takes blocks of rows (a vector's
+ * floats each), and a source whose rows are its columns (a transposed view) is copied a
+ * square tile at a time. A copy: the same bits whatever the order. Taken with the short
+ * convolution only, at its width. */
+bool takes_concat(const tensor *op, int lanes) {
+    if (op->op != ggml_mirror::OP_CONCAT || lanes == 0) {
         return false;
     }
     const tensor *a = op->src[0], *b = op->src[1];
@@ -422,26 +454,6 @@ bool takes_concat(const tensor *op) {
 }
 
 #ifdef BUTTER_X86
-
-/* Element (i0, i1, i2, i3) of a tensor. */
-inline const float *element(const tensor *t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
-    return (const float *)((const char *)t->data + i0 * t->nb[0] + i1 * t->nb[1] +
-                           i2 * t->nb[2] + i3 * t->nb[3]);
-}
-
-/* Columns [c0, c0 + 16) of rows [r0, r0 + 16) of `from` (whose columns lie 4 bytes apart:
- * from's i1 is the row, i0 the column) to rows r0.. of `to`, starting at column `at`. */
-CONV_TARGET void concat_tile(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t c0,
-                             int64_t i2, int64_t i3) {
-    __m512 block[16]; /* a column's 16 rows each, then a row's 16 columns */
-    for (int64_t c = 0; c < 16; c++) {
-        block[c] = _mm512_loadu_ps(element(from, c0 + c, r0, i2, i3));
-    }
-    transpose16(block);
-    for (int64_t r = 0; r < 16; r++) {
-        _mm512_storeu_ps((float *)element(to, at + c0, r0 + r, i2, i3), block[r]);
-    }
-}
 
 /* Rows [r0, r1) of `from`, columns [c0, ne0), to `to` from column `at`, one float at a
  * time. */
@@ -456,26 +468,31 @@ void concat_floats(const tensor *from, tensor *to, int64_t at, int64_t r0, int64
 }
 
 void concat_part(const tensor *from, tensor *to, int64_t at, int64_t r0, int64_t r1,
-                 int64_t i2, int64_t i3) {
-    int64_t c0 = 0; /* (taken only with short_conv, which is on only with AVX-512) */
-    if (from->nb[1] == sizeof(float) && r1 - r0 == 16) {
-        for (; c0 + 16 <= from->ne[0]; c0 += 16) {
-            concat_tile(from, to, at, r0, c0, i2, i3);
+                 int64_t i2, int64_t i3, int lanes) {
+    int64_t c0 = 0;
+    if (from->nb[1] == sizeof(float) && r1 - r0 == lanes) {
+        for (; c0 + lanes <= from->ne[0]; c0 += lanes) {
+            if (lanes == Wide::FLOATS) {
+                wide::concat_tile(from, to, at, r0, c0, i2, i3);
+            } else {
+                narrow::concat_tile(from, to, at, r0, c0, i2, i3);
+            }
         }
     }
     concat_floats(from, to, at, r0, r1, c0, i2, i3);
 }
 
-void concatenate(compute_params *params, tensor *op) {
+void concatenate(compute_params *params, tensor *op, int lanes) {
     const tensor *a = op->src[0], *b = op->src[1];
-    const int64_t blocks = (op->ne[1] + 15) / 16, per_matrix = blocks;
+    const int64_t per_matrix = (op->ne[1] + lanes - 1) / lanes;
     const int64_t tasks = op->ne[3] * op->ne[2] * per_matrix;
     for (int64_t task = tasks * params->ith / params->nth;
          task < tasks * (params->ith + 1) / params->nth; task++) {
         const int64_t matrix = task / per_matrix, i2 = matrix % op->ne[2], i3 = matrix / op->ne[2];
-        const int64_t r0 = task % per_matrix * 16, r1 = r0 + 16 < op->ne[1] ? r0 + 16 : op->ne[1];
-        concat_part(a, op, 0, r0, r1, i2, i3);
-        concat_part(b, op, a->ne[0], r0, r1, i2, i3);
+        const int64_t r0 = task % per_matrix * lanes;
+        const int64_t r1 = r0 + lanes < op->ne[1] ? r0 + lanes : op->ne[1];
+        concat_part(a, op, 0, r0, r1, i2, i3, lanes);
+        concat_part(b, op, a->ne[0], r0, r1, i2, i3, lanes);
     }
     if (params->ith == 0 && probing.load()) {
         probe_concats.fetch_add(1, std::memory_order_relaxed);
@@ -492,10 +509,11 @@ class Concat : public ggml_mirror::tensor_traits {
 
     bool compute_forward(compute_params *params, tensor *op) override {
 #ifdef BUTTER_X86
-        if (!takes_concat(op)) {
+        const int lanes = short_conv_width.load(std::memory_order_relaxed);
+        if (!takes_concat(op, lanes)) {
             return false;
         }
-        concatenate(params, op);
+        concatenate(params, op, lanes);
         return true;
 #else
         (void)params, (void)op;
@@ -509,21 +527,25 @@ Concat concat_traits;
 }  // namespace
 
 ggml_mirror::tensor_traits *concat_path(const tensor *op) {
-    return takes_concat(op) ? &concat_traits : nullptr;
+    return takes_concat(op, short_conv_width.load(std::memory_order_relaxed)) ? &concat_traits
+                                                                               : nullptr;
 }
 
 ggml_mirror::tensor_traits *short_conv_path(const tensor *op) {
-    return takes_short_conv(op) ? &short_conv_traits : nullptr;
+    return takes_short_conv(op, short_conv_width.load(std::memory_order_relaxed))
+               ? &short_conv_traits
+               : nullptr;
 }
 
 /* One short convolution probe (butter_layer_matmul_conv_probe, which checked the
  * arguments), built as llama.cpp builds a recurrent layer's: probe values for the last
  * `width` - 1 inputs of each of `channels` channels and for the step's `tokens` (token-major,
  * as the layer's input projection gives them), joined by a CONCAT of their transposed view,
- * then the SSM_CONV, for `seqs` sequences, through a real ggml graph computed by butter
- * (`butter`) or by llama.cpp. out: channels x tokens x seqs floats. */
-int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width, int64_t seqs,
-                   int threads, int64_t seed, float *out, int32_t *ran) {
+ * then the SSM_CONV, for `seqs` sequences, through a real ggml graph computed by butter at
+ * `lanes` floats a vector and `rounding` (short_conv_rounding's) or by llama.cpp (lanes 0).
+ * out: channels x tokens x seqs floats. */
+int32_t conv_probe(int lanes, int rounding, int64_t tokens, int64_t channels, int64_t width,
+                   int64_t seqs, int threads, int64_t seed, float *out, int32_t *ran) {
     Context compute((size_t)((width - 1 + 3 * tokens) * channels * seqs + width * channels) *
                         sizeof(float) + ((size_t)4 << 20), false);
     if (compute.ctx == nullptr) {
@@ -549,14 +571,16 @@ int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width,
                      (int64_t)(ggml.nbytes(inputs[i]) / sizeof(float)));
     }
     ggml.build_forward_expand(graph, y);
-    const bool was = short_conv.load();
-    short_conv.store(butter);
+    const int was = short_conv_width.load(), was_rounding = short_conv_rounding.load();
+    short_conv_width.store(lanes);
+    short_conv_rounding.store(rounding);
     probing.store(true);
     const int64_t convs_before = probe_short_convs.load(), concats_before = probe_concats.load();
     const int status = ggml.graph_compute_with_ctx(compute.ctx, graph, threads);
     *ran = probe_short_convs.load() > convs_before && probe_concats.load() > concats_before;
     probing.store(false);
-    short_conv.store(was);
+    short_conv_width.store(was);
+    short_conv_rounding.store(was_rounding);
     if (status != ggml_mirror::STATUS_SUCCESS) {
         return BUTTER_E_STATE;
     }

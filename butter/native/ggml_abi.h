@@ -15,7 +15,7 @@
 #ifndef BUTTER_GGML_ABI_H
 #define BUTTER_GGML_ABI_H
 
-#define BUTTER_LAYER_MATMUL_ABI_VERSION 13
+#define BUTTER_LAYER_MATMUL_ABI_VERSION 14
 
 /* The ggml the mirror (ggml_mirror.h) was copied from: the llama.cpp commit that
  * llama-cpp-python 0.3.36 vendors (its submodule vendor/llama.cpp), ggml's version there,

@@ -281,37 +281,43 @@ BUTTER_API int32_t butter_layer_matmul_delta_net_probe(int32_t width, int64_t to
                            seed, out, ran);
 }
 
-/* Whether butter computes the short convolutions (SSM_CONV ops) from the next graph on. */
-BUTTER_API int32_t butter_layer_matmul_short_conv(int32_t on) {
+/* The floats a vector (8 or 16, one of delta_net_widths') at which butter computes the
+ * short convolutions (SSM_CONV ops) and the CONCATs feeding them from the next graph on (0:
+ * llama.cpp computes them), their products rounded before they are added in blocks of
+ * `rounding` (0 or 4; delta_net.cpp's rounded_products). */
+BUTTER_API int32_t butter_layer_matmul_short_conv(int32_t lanes, int32_t rounding) {
+    if ((lanes != 0 && (lanes & delta_net_widths()) != lanes) ||
+        (rounding != 0 && rounding != 4)) {
+        return BUTTER_E_ARGUMENT;
+    }
     if (!registered) {
         return BUTTER_E_STATE;
     }
-    if (on != 0 && !(delta_net_widths() & 16)) {
-        return BUTTER_DECLINED; /* (AVX-512 only) */
-    }
-    short_conv.store(on != 0);
+    short_conv_width.store(lanes);
+    short_conv_rounding.store(rounding);
     return BUTTER_OK;
 }
 
-/* One short convolution through a real ggml graph on `threads` threads, by butter
- * (`butter` 1, where it can) or by llama.cpp: `tokens` outputs of each of `channels`
+/* One short convolution through a real ggml graph on `threads` threads, by butter at
+ * `lanes` floats a vector (8 or 16) and `rounding` (as for butter_layer_matmul_short_conv)
+ * or by llama.cpp (lanes 0): `tokens` outputs of each of `channels`
  * channels (a multiple of 16) of `seqs` sequences, `width` weights a channel; inputs drawn
  * from `seed`, joined by a CONCAT as llama.cpp joins them. out: channels x tokens x seqs
  * floats; *ran: 1 if butter computed both the CONCAT and the convolution. */
-BUTTER_API int32_t butter_layer_matmul_conv_probe(int32_t butter, int64_t tokens,
-                                                  int64_t channels, int64_t width, int64_t seqs,
-                                                  int32_t threads, int64_t seed, float *out,
-                                                  size_t out_bytes, int32_t *ran) {
+BUTTER_API int32_t butter_layer_matmul_conv_probe(int32_t lanes, int32_t rounding,
+                                                  int64_t tokens, int64_t channels, int64_t width,
+                                                  int64_t seqs, int32_t threads, int64_t seed,
+                                                  float *out, size_t out_bytes, int32_t *ran) {
     if (out == nullptr || ran == nullptr || tokens <= 0 || channels <= 0 || channels % 16 != 0 ||
         width <= 0 || width > 8 || seqs <= 0 || threads <= 0 ||
+        (lanes != 0 && (lanes & delta_net_widths()) != lanes) || (rounding != 0 && rounding != 4) ||
         out_bytes < (size_t)(tokens * channels * seqs) * sizeof(float)) {
         return BUTTER_E_ARGUMENT;
     }
     if (!registered) {
         return BUTTER_E_STATE;
     }
-    return conv_probe(butter != 0 && (delta_net_widths() & 16), tokens, channels, width, seqs,
-                      threads, seed, out, ran);
+    return conv_probe(lanes, rounding, tokens, channels, width, seqs, threads, seed, out, ran);
 }
 
 /* One row of k activations (a multiple of 256) quantized to ggml's Q8_K as butter's K-quant

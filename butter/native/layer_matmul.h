@@ -59,9 +59,11 @@ extern std::atomic<bool> decode_attention, prompt_attention;
  * whose probe gave llama.cpp's bits (0: llama.cpp computes them); the ops it computed. */
 extern std::atomic<int> delta_net_width;
 extern std::atomic<int64_t> delta_nets, probe_delta_nets;
-/* Whether butter computes ggml's SSM_CONV ops and the CONCATs along dim 0 that feed them
- * (AVX-512; on where its probe gave llama.cpp's bits); the SSM_CONV ops it computed. */
-extern std::atomic<bool> short_conv;
+/* The vector width (floats) at which butter computes ggml's SSM_CONV ops and the CONCATs
+ * along dim 0 that feed them (0: llama.cpp computes them), and how it rounds their sums
+ * (delta_net.cpp's rounded_products), the pair whose probe gave llama.cpp's bits; the
+ * SSM_CONV ops it computed. */
+extern std::atomic<int> short_conv_width, short_conv_rounding;
 extern std::atomic<int64_t> short_convs, probe_short_convs;
 
 constexpr size_t ALIGN = 64;
@@ -124,8 +126,8 @@ int delta_net_widths(); /* the widths this CPU runs, as a mask of their lane cou
 ggml_mirror::tensor_traits *delta_net_path(const tensor *op);
 ggml_mirror::tensor_traits *short_conv_path(const tensor *op);
 ggml_mirror::tensor_traits *concat_path(const tensor *op);
-int32_t conv_probe(bool butter, int64_t tokens, int64_t channels, int64_t width, int64_t seqs,
-                   int threads, int64_t seed, float *out, int32_t *ran);
+int32_t conv_probe(int lanes, int rounding, int64_t tokens, int64_t channels, int64_t width,
+                   int64_t seqs, int threads, int64_t seed, float *out, int32_t *ran);
 int32_t delta_net_probe(int width, int64_t tokens, int64_t heads, int64_t dim, int64_t seqs,
                         int64_t snapshots, bool per_column, int threads, int64_t seed,
                         float *out, int32_t *ran);

@@ -5,7 +5,7 @@ butter/native/ggml_abi.h. Do not edit; change the header and run .ci/ggml-abi
 
 from typing import Final
 
-LAYER_MATMUL_ABI_VERSION: Final = 13
+LAYER_MATMUL_ABI_VERSION: Final = 14
 
 # The ggml the mirror (ggml_mirror.h) was copied from: the llama.cpp commit that llama-cpp-python
 # 0.3.36 vendors (its submodule vendor/llama.cpp), ggml's version there, and that llama-cpp-python

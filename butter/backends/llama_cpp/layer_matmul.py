@@ -87,10 +87,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "butter_layer_matmul_delta_net": (_I32, [_I32]),
     "butter_layer_matmul_delta_net_probe": (
         _I32, [_I32, _I64, _I64, _I64, _I64, _I64, _I32, _I32, _I64, _P, _SIZE, _P]),
-    "butter_layer_matmul_short_conv": (_I32, [_I32]),
+    "butter_layer_matmul_short_conv": (_I32, [_I32, _I32]),
     "butter_layer_matmul_quantize_q8_k": (_I32, [_P, _I64, _P, _SIZE]),
     "butter_layer_matmul_conv_probe": (
-        _I32, [_I32, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
+        _I32, [_I32, _I32, _I64, _I64, _I64, _I64, _I32, _I64, _P, _SIZE, _P]),
 }
 OK, DECLINED = abi.OK, abi.DECLINED
 COUNTERS = abi.COUNTERS
@@ -150,8 +150,10 @@ class LayerMatmul:
         # who computes the Gated DeltaNet layers' recurrence (Qwen3.5 and kin): "butter
         # (AVX-512)" / "butter (AVX2)", or "llama.cpp (why)"
         self.delta_net = "llama.cpp (not checked yet)"
-        # and the short convolution before each recurrent layer (SSM_CONV)
+        # and the short convolution before each recurrent layer (SSM_CONV), and how it
+        # rounds (use_short_conv's `rounding`)
         self.short_conv = "llama.cpp (not checked yet)"
+        self.conv_rounding = 0
 
     def counters(self) -> Counters:
         out = (ctypes.c_int64 * COUNTERS)()
@@ -236,25 +238,32 @@ class LayerMatmul:
             ctypes.sizeof(out), ctypes.byref(ran))
         return _probe_output(status, bool(width) and not ran.value, out, "Gated DeltaNet")
 
-    def use_short_conv(self, on: bool) -> None:
+    def use_short_conv(self, lanes: int, rounding: int = 0) -> None:
         """Whether butter computes the short convolutions before recurrent layers (ggml's
-        SSM_CONV op: tiles of 16 channels x 16 tokens, llama.cpp's bits; AVX-512 only).
-        Takes effect from the next step; change it only between steps."""
-        status = self._lib.butter_layer_matmul_short_conv(int(on))
+        SSM_CONV op, and the CONCATs feeding it: square tiles of `lanes` channels x tokens,
+        one of delta_net_widths()), or llama.cpp does (0). `rounding` is how llama.cpp's
+        build sums each output: 0, one FMA per weight; 4, the products of the leading
+        multiple of 4 weights rounded and then added in order (GCC's vectorized loop), the
+        rest fused. Takes effect from the next step; change it only between steps."""
+        status = self._lib.butter_layer_matmul_short_conv(lanes, rounding)
         if status != OK:
-            raise ValueError(f"butter's short convolution cannot run here (status {status})")
+            raise ValueError(f"no short convolution of {lanes} lanes and rounding {rounding} "
+                             f"here (status {status})")
+        self.conv_rounding = rounding
 
-    def conv_probe(self, *, butter: bool, tokens: int, channels: int, width: int = 4,
-                   seqs: int = 1, threads: int = 2, seed: int = 7) -> list[float]:
-        """One short convolution (ggml's SSM_CONV) through a real ggml graph, by butter or
-        by llama.cpp: channels x tokens x seqs outputs of probe values. Raises Unavailable if
-        butter's was asked for and llama.cpp computed it."""
+    def conv_probe(self, *, lanes: int, tokens: int, channels: int, width: int = 4,
+                   rounding: int = 0, seqs: int = 1, threads: int = 2,
+                   seed: int = 7) -> list[float]:
+        """One short convolution (ggml's SSM_CONV) of `width` weights a channel through a
+        real ggml graph, by butter at `lanes` and `rounding` (as use_short_conv takes them)
+        or by llama.cpp (lanes 0): channels x tokens x seqs outputs of probe values. Raises
+        Unavailable if butter's was asked for and llama.cpp computed it."""
         out = (ctypes.c_float * (tokens * channels * seqs))()
         ran = ctypes.c_int32()
         status = self._lib.butter_layer_matmul_conv_probe(
-            int(butter), tokens, channels, width, seqs, threads, seed, out, ctypes.sizeof(out),
-            ctypes.byref(ran))
-        return _probe_output(status, butter and not ran.value, out, "short convolution")
+            lanes, rounding, tokens, channels, width, seqs, threads, seed, out,
+            ctypes.sizeof(out), ctypes.byref(ran))
+        return _probe_output(status, bool(lanes) and not ran.value, out, "short convolution")
 
     @contextmanager
     def accepting(self, accept: bool) -> Iterator[None]:
@@ -424,7 +433,7 @@ def _checked_delta_net(kernels: LayerMatmul) -> str:
             continue
         if all(map(_same_bits, ours, theirs)):
             kernels.use_delta_net(width)
-            return f"butter ({'AVX-512' if width == 16 else 'AVX2'})"
+            return f"butter ({_instruction_set(width)})"
     return f"llama.cpp ({why_not})"
 
 
@@ -434,28 +443,45 @@ def _same_bits(ours: list[float], theirs: list[float]) -> bool:
 
 
 # The short convolution probes: a decode step, a prompt step of whole tiles and a partial
-# one, two sequences, and LFM2's width of 3.
+# one, two sequences, LFM2's width of 3, and a width of 6 (a multiple of 4 and leftovers:
+# the two roundings, CONV_ROUNDINGS, differ on it where they agree at 3).
 CONV_PROBES: tuple[dict[str, Any], ...] = (
     {"tokens": 1, "channels": 64},
     {"tokens": 37, "channels": 48, "seqs": 2},
     {"tokens": 16, "channels": 32, "width": 3},
+    {"tokens": 19, "channels": 16, "width": 6},
 )
+CONV_ROUNDINGS = (0, 4)  # how a build of llama.cpp may sum a convolution (use_short_conv)
 
 
 def _checked_short_conv(kernels: LayerMatmul) -> str:
-    """"butter (AVX-512)" where its probes give llama.cpp's bits exactly, and butter told to
-    use it; else "llama.cpp (why)"."""
-    if 16 not in kernels.delta_net_widths():
-        return "llama.cpp (AVX-512 only)"
+    """"butter (<set>)" at the widest vectors whose probes give llama.cpp's bits exactly,
+    and butter told to use them; else "llama.cpp (why)"."""
+    widths = kernels.delta_net_widths()
+    if not widths:
+        return "llama.cpp (this CPU has neither AVX2 with FMA nor AVX-512)"
     try:
-        theirs = [kernels.conv_probe(butter=False, **probe) for probe in CONV_PROBES]
-        ours = [kernels.conv_probe(butter=True, **probe) for probe in CONV_PROBES]
-        if not all(map(_same_bits, ours, theirs)):
-            return "llama.cpp (butter's sums differ from llama.cpp's in the last bits)"
-        kernels.use_short_conv(True)
-    except (Unavailable, ValueError) as exc:
+        theirs = [kernels.conv_probe(lanes=0, **probe) for probe in CONV_PROBES]
+    except ValueError as exc:
         return f"llama.cpp ({exc})"
-    return "butter (AVX-512)"
+    why_not = "butter's sums differ from llama.cpp's in the last bits"
+    for lanes in widths:
+        for rounding in CONV_ROUNDINGS:
+            try:
+                ours = [kernels.conv_probe(lanes=lanes, rounding=rounding, **probe)
+                        for probe in CONV_PROBES]
+            except (Unavailable, ValueError) as exc:
+                why_not = str(exc)
+                continue
+            if all(map(_same_bits, ours, theirs)):
+                kernels.use_short_conv(lanes, rounding)
+                return f"butter ({_instruction_set(lanes)})"
+    return f"llama.cpp ({why_not})"
+
+
+def _instruction_set(lanes: int) -> str:
+    """The instruction set whose vectors hold `lanes` floats."""
+    return "AVX-512" if lanes == 16 else "AVX2"
 
 
 def _drop_crashing_buffer_types(lib: Any) -> None:
