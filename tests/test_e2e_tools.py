@@ -6,6 +6,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -343,6 +344,27 @@ def _as_far_as(partial: dict[str, object], whole: dict[str, object]) -> bool:
         for key, value in partial.items())
 
 
+# Questions whose forced final_answer call SmolLM2 finishes within 200 tokens, greedily: which
+# ones do depends on the CPU class (its kernels' last bits steer a 135M model's text: on an
+# AVX2-only Zen 3 it never closes its answer to the first, repeating "2 + 2 = 4" inside it).
+FORCED_QUESTIONS = ("What is 2+2? Explain at length.",
+                    "What is the capital of France? Explain at length.",
+                    "Why is the sky blue? Explain at length.")
+
+
+def _a_finished_forced_call(client: openai.OpenAI) -> tuple[dict[str, Any], Any]:
+    """The request for the first of FORCED_QUESTIONS whose whole call the model finishes,
+    and that whole answer: the reference every cut is held to."""
+    for question in FORCED_QUESTIONS:
+        ask: dict[str, Any] = {
+            "model": "smollm2-135m", "messages": [{"role": "user", "content": question}],
+            "tools": [FINAL_ANSWER], "tool_choice": "required", "temperature": 0}
+        whole = client.chat.completions.create(**ask, max_tokens=200)
+        if whole.choices[0].finish_reason == "tool_calls":
+            return ask, whole
+    raise AssertionError(f"no forced call finished within 200 tokens: {FORCED_QUESTIONS}")
+
+
 def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(
         instruct_server: ServerProcess) -> None:
     """smolagents' case (its own max_tokens cut the forced final_answer call): at every
@@ -351,11 +373,7 @@ def test_a_forced_call_cut_by_max_tokens_is_a_call_not_markup(
     reason length, streamed or not."""
     client = openai.OpenAI(base_url=instruct_server.api, api_key="unused", max_retries=0,
                            timeout=120)
-    ask = {"model": "smollm2-135m", "messages": [
-        {"role": "user", "content": "What is 2+2? Explain at length."}],
-        "tools": [FINAL_ANSWER], "tool_choice": "required", "temperature": 0}
-    whole = client.chat.completions.create(**ask, max_tokens=200)  # type: ignore[call-overload]
-    assert whole.choices[0].finish_reason == "tool_calls"
+    ask, whole = _a_finished_forced_call(client)
     (call,) = whole.choices[0].message.tool_calls or []
     written = _squeezed(call.function.arguments)
     outcomes = set()
