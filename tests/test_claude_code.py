@@ -220,8 +220,15 @@ def _check_answered(turn: Turn, server: ServerProcess, what: str) -> str:
                    for r in turn.requests), context
         return "ran out of output tokens"
     # The model may answer with a tool call in the format butter's tool preamble
-    # teaches; with --max-turns 1 Claude Code then stops before running the tool.
+    # teaches; with --max-turns 1 Claude Code then stops before running the tool. Or the
+    # call is cut by the output limit: Claude Code sends another request and stops on the
+    # turn limit with stop_reason max_tokens (which path the base model takes changes with
+    # the scratch directory's name in the prompt).
     assert result.get("subtype") == "error_max_turns", context
+    if result.get("stop_reason") == "max_tokens":
+        assert all(r.finish == "length" and r.completion == MAX_OUTPUT_TOKENS
+                   for r in turn.requests), context
+        return "called a tool, cut by the output limit"
     assert result.get("stop_reason") == "tool_use", context
     return "called a tool"
 
