@@ -125,24 +125,37 @@ qk45_group(__m512i low, __m512i high) {
     return _mm512_ternarylogic_epi32(value, bit, _mm512_set1_epi8(0x10), 0xF8);
 }
 
+/* The activations' sums over each sub-block of block `xb` (ggml's bsums are per 16), as
+ * four int32 words of two int16 sums each: word i holds sub-blocks 2i and 2i+1. */
+__attribute__((target("ssse3"))) static inline __attribute__((always_inline)) __m128i
+qk45_sub_block_sums(const uint8_t *xb) {
+    const __m128i lo = _mm_loadu_si128((const __m128i *)(xb + 4 + QK_K));
+    const __m128i hi = _mm_loadu_si128((const __m128i *)(xb + 4 + QK_K + 16));
+    return _mm_hadd_epi16(lo, hi); /* |sum| <= 32 x 127: no overflow */
+}
+
 /* Tile t's 16 outputs for R activation rows (ggml block_q8_K rows, `x_stride` bytes
- * apart), stored at out + r * out_stride; only the first `lanes` are stored. */
+ * apart), stored at out + r * out_stride; only the first `lanes` are stored. Each row's
+ * sums stay in registers (the row loops are unrolled); the mins' side, which does not
+ * depend on the values, is summed once per block, two sub-blocks per vpdpwssd. */
 template <int BITS>
 VNNI_BW_TARGET static inline __attribute__((always_inline)) void
 qk45_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_t *x,
                int64_t x_stride, float *out, int64_t out_stride, int lanes) {
     typedef QK45<BITS> T;
     __m512 acc[ROWS_PER_PASS];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
     }
     for (int64_t b = 0; b < nbk; b++) {
         const uint8_t *tile = w + (t * nbk + b) * T::TILE_BLOCK_BYTES;
         const uint8_t *scales = tile + T::TILE_VALUES, *mins = scales + QK45_SUB_BLOCKS * LANES;
-        __m512i isum[ROWS_PER_PASS], msum[ROWS_PER_PASS];
+        const uint8_t *xb = x + b * Q8_K_BLOCK_BYTES;
+        __m512i isum[ROWS_PER_PASS];
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             isum[r] = _mm512_setzero_si512();
-            msum[r] = _mm512_setzero_si512();
         }
         for (int j = 0; j < QK45_SUB_BLOCKS; j++) {
             const uint8_t *chunk = tile + j * T::CHUNK;
@@ -162,36 +175,51 @@ qk45_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint
                 qk45_group<BITS, 6>(l3, h), qk45_group<BITS, 7>(l3, h)};
             const __m512i scale = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(scales + j * LANES)));
-            const __m512i min = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(mins + j * LANES)));
+#pragma GCC unroll 8
             for (int r = 0; r < R; r++) {
-                const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
-                const uint8_t *qs = xb + 4 + j * 32;
+                const uint8_t *qs = xb + r * x_stride + 4 + j * 32;
                 __m512i dot = _mm512_setzero_si512();
                 for (int g = 0; g < 8; g++) {
                     int32_t four;
                     memcpy(&four, qs + g * 4, 4);
                     dot = _mm512_dpbusd_epi32(dot, q[g], _mm512_set1_epi32(four));
                 }
-                int16_t bsums[2];
-                memcpy(bsums, xb + 4 + QK_K + j * 4, 4);
                 isum[r] = _mm512_add_epi32(isum[r], _mm512_mullo_epi32(dot, scale));
-                msum[r] = _mm512_add_epi32(
-                    msum[r], _mm512_mullo_epi32(min, _mm512_set1_epi32(bsums[0] + bsums[1])));
             }
+        }
+        /* The mins in pairs of sub-blocks (2i, 2i+1) as int16 in each lane's word. */
+        __m512i min_pairs[QK45_SUB_BLOCKS / 2];
+        for (int i = 0; i < QK45_SUB_BLOCKS / 2; i++) {
+            const __m512i even = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(mins + 2 * i * LANES)));
+            const __m512i odd = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(mins + (2 * i + 1) * LANES)));
+            min_pairs[i] = _mm512_or_si512(even, _mm512_slli_epi32(odd, 16));
         }
         const uint8_t *d = mins + QK45_SUB_BLOCKS * LANES;
         const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d));
         const __m512 wmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + 32)));
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
+            const __m128i sums = qk45_sub_block_sums(xb + r * x_stride);
+            __m512i msum = _mm512_setzero_si512();
+            msum = _mm512_dpwssd_epi32(msum, min_pairs[0],
+                                       _mm512_set1_epi32(_mm_extract_epi32(sums, 0)));
+            msum = _mm512_dpwssd_epi32(msum, min_pairs[1],
+                                       _mm512_set1_epi32(_mm_extract_epi32(sums, 1)));
+            msum = _mm512_dpwssd_epi32(msum, min_pairs[2],
+                                       _mm512_set1_epi32(_mm_extract_epi32(sums, 2)));
+            msum = _mm512_dpwssd_epi32(msum, min_pairs[3],
+                                       _mm512_set1_epi32(_mm_extract_epi32(sums, 3)));
             float xd;
-            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            memcpy(&xd, xb + r * x_stride, sizeof xd);
             const __m512 xs = _mm512_set1_ps(xd);
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(xs, wd), acc[r]);
-            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum[r]), _mm512_mul_ps(xs, wmin), acc[r]);
+            acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(xs, wmin), acc[r]);
         }
     }
     const __mmask16 keep = (__mmask16)((1u << lanes) - 1u);
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         _mm512_mask_storeu_ps(out + r * out_stride, keep, acc[r]);
     }
@@ -230,9 +258,11 @@ qk45_group_avx2(__m256i low, __m256i high) {
 
 /* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
  * AVX2_ROWS) rows. maddubs pairs of values (at most 31) and signed activations are at most
- * 2 x 31 x 128, so four groups' pairs add in 16 bits; madd multiplies each lane's pairs
- * by its scale, and the mins by the activations' sums per 16 (both fit 16 bits). The
- * integers are the VNNI kernel's. */
+ * 2 x 31 x 128, so four groups' pairs add in 16 bits; madd multiplies each lane's pairs by
+ * its scale. (Q4_K's eight groups would fit 16 bits too, but carrying those sums across
+ * both halves of a sub-block spills registers: slower.) The mins' side is
+ * summed once per block, two sub-blocks per madd (each lane's pair of mins times the
+ * activations' pair of sub-block sums). The integers are the VNNI kernel's. */
 template <int BITS>
 AVX2_TARGET static inline __attribute__((always_inline)) void
 qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
@@ -247,10 +277,10 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
     for (int64_t b = 0; b < nbk; b++) {
         const uint8_t *tile = w + (t * nbk + b) * T::TILE_BLOCK_BYTES;
         const uint8_t *scales = tile + T::TILE_VALUES, *mins = scales + QK45_SUB_BLOCKS * LANES;
-        __m256i isum[AVX2_ROWS], msum[AVX2_ROWS];
+        const uint8_t *xb = x + b * Q8_K_BLOCK_BYTES;
+        __m256i isum[AVX2_ROWS];
         for (int r = 0; r < R; r++) {
             isum[r] = _mm256_setzero_si256();
-            msum[r] = _mm256_setzero_si256();
         }
         for (int j = 0; j < QK45_SUB_BLOCKS; j++) {
             const uint8_t *chunk = tile + j * T::CHUNK;
@@ -264,9 +294,6 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
             memcpy(&eight, scales + j * LANES + half * (LANES / 2), sizeof eight);
             const __m256i scale = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
             const __m256i scale_pairs = _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
-            memcpy(&eight, mins + j * LANES + half * (LANES / 2), sizeof eight);
-            const __m256i min = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
-            const __m256i min_pairs = _mm256_or_si256(min, _mm256_slli_epi32(min, 16));
             for (int k = 0; k < 2; k++) { /* groups 4k..4k+3 */
                 const __m256i la = _mm256_loadu_si256((const __m256i *)(chunk + 128 * k + h32));
                 const __m256i lb =
@@ -276,7 +303,7 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
                 const __m256i q2 = k ? qk45_group_avx2<BITS, 6>(lb, h) : qk45_group_avx2<BITS, 2>(lb, h);
                 const __m256i q3 = k ? qk45_group_avx2<BITS, 7>(lb, h) : qk45_group_avx2<BITS, 3>(lb, h);
                 for (int r = 0; r < R; r++) {
-                    const uint8_t *qs = x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + j * 32 + k * 16;
+                    const uint8_t *qs = xb + r * x_stride + 4 + j * 32 + k * 16;
                     int32_t x0, x1, x2, x3;
                     memcpy(&x0, qs, 4);
                     memcpy(&x1, qs + 4, 4);
@@ -290,24 +317,34 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
                     isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, scale_pairs));
                 }
             }
-            for (int r = 0; r < R; r++) {
-                int32_t bsums; /* the activations' two sums of 16 in this sub-block */
-                memcpy(&bsums, x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + QK_K + j * 4, 4);
-                msum[r] = _mm256_add_epi32(
-                    msum[r], _mm256_madd_epi16(min_pairs, _mm256_set1_epi32(bsums)));
-            }
+        }
+        __m256i min_pairs[QK45_SUB_BLOCKS / 2]; /* lanes' mins of sub-blocks 2i and 2i+1 */
+        for (int i = 0; i < QK45_SUB_BLOCKS / 2; i++) {
+            int64_t even, odd;
+            memcpy(&even, mins + 2 * i * LANES + half * (LANES / 2), sizeof even);
+            memcpy(&odd, mins + (2 * i + 1) * LANES + half * (LANES / 2), sizeof odd);
+            min_pairs[i] = _mm256_or_si256(
+                _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(even)),
+                _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(odd)), 16));
         }
         const uint8_t *d = mins + QK45_SUB_BLOCKS * LANES;
         const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + half * LANES)));
         const __m256 wmin =
             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + 32 + half * LANES)));
         for (int r = 0; r < R; r++) {
+            const __m128i sums = qk45_sub_block_sums(xb + r * x_stride);
+            const __m256i msum = _mm256_add_epi32(
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(min_pairs[0], _mm256_set1_epi32(_mm_extract_epi32(sums, 0))),
+                    _mm256_madd_epi16(min_pairs[1], _mm256_set1_epi32(_mm_extract_epi32(sums, 1)))),
+                _mm256_add_epi32(
+                    _mm256_madd_epi16(min_pairs[2], _mm256_set1_epi32(_mm_extract_epi32(sums, 2))),
+                    _mm256_madd_epi16(min_pairs[3], _mm256_set1_epi32(_mm_extract_epi32(sums, 3)))));
             float xd;
-            memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
+            memcpy(&xd, xb + r * x_stride, sizeof xd);
             const __m256 xs = _mm256_set1_ps(xd);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(xs, wd), acc[r]);
-            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum[r]), _mm256_mul_ps(xs, wmin),
-                                      acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(xs, wmin), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) {

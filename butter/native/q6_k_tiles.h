@@ -166,6 +166,7 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
              int64_t x_stride, float *out, int64_t out_stride, int lanes) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), high_bits = _mm512_set1_epi8(0x30);
     __m512 acc[ROWS_PER_PASS];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         acc[r] = _mm512_setzero_ps();
     }
@@ -173,7 +174,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
         const uint8_t *tile = w + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
         const uint8_t *scales = tile + Q6_TILE_VALUES;
         __m512i isum[ROWS_PER_PASS];
-        for (int r = 0; r < R; r++) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
             isum[r] = _mm512_setzero_si512();
         }
         for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
@@ -198,7 +200,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
                 high_bits, 0xF8);
             const __m512i scale = _mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(scales + j * LANES)));
-            for (int r = 0; r < R; r++) {
+        #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
                 const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
                 const uint8_t *qs = xb + 4 + j * 16;
                 int32_t x0, x1, x2, x3;
@@ -218,7 +221,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
         }
         const __m512 wscale = _mm512_cvtph_ps(
             _mm256_loadu_si256((const __m256i *)(scales + Q6_TILE_SCALES)));
-        for (int r = 0; r < R; r++) {
+    #pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
             float xd;
             memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
             const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xd), wscale);
@@ -226,6 +230,7 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
         }
     }
     const __mmask16 keep = (__mmask16)((1u << lanes) - 1u);
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
         _mm512_mask_storeu_ps(out + r * out_stride, keep, acc[r]);
     }
