@@ -108,7 +108,11 @@ WIDE_TARGET static inline void wide_dots16(const float *const *q, const float *k
     for (int64_t i = 8; i < dk; i += 8) {
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
-            const __m512 k = _mm512_load_ps(kt + (i + j) * 16);
+            __m512 k = _mm512_load_ps(kt + (i + j) * 16);
+            /* Loaded once for the R pairs: otherwise GCC reads it again into every FMA and
+             * broadcasts each query element by a load of its own, two loads an FMA. Kept in
+             * a register, the query element comes in as the FMA's broadcast operand. */
+            __asm__("" : "+v"(k));
 #pragma GCC unroll 4
             for (int r = 0; r < R; r++) {
                 acc[r][j] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][i + j]), k, acc[r][j]);
