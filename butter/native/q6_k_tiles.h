@@ -255,9 +255,10 @@ VNNI_BW_TARGET static inline void q6_tile_pass(const uint8_t *w, int64_t nbk, in
 /* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
  * AVX2_ROWS) rows. maddubs multiplies the unsigned 6-bit values by the signed activations
  * into 16-bit pairs of at most 2 x 63 x 128, so two groups' pairs add without overflow;
- * madd then multiplies each lane's pairs by its scale (both halves of an int32 hold it),
- * and the -32 offset comes in as scale x -32 x the activations' sum per 16, one more madd
- * (-32 x scale and the sum both fit 16 bits). The integers are the VNNI kernel's. */
+ * madd then multiplies each lane's pairs by its scale (both halves of an int32 hold it).
+ * The -32 offset comes in once per block as -32 x the sum of scale x the activations' sum
+ * per 16, two groups per madd (scales and sums fit 16 bits). The integers are the VNNI
+ * kernel's. */
 AVX2_TARGET static inline __attribute__((always_inline)) void
 q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
                   const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
@@ -299,30 +300,45 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
             const __m256i scale = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight));
             const __m256i scale_pairs = _mm256_or_si256(_mm256_and_si256(scale, low_half),
                                                         _mm256_slli_epi32(scale, 16));
-            const __m256i offset = _mm256_and_si256(
-                _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(scale, 5)), low_half);
             for (int r = 0; r < R; r++) {
-                const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
-                const uint8_t *qs = xb + 4 + j * 16;
+                const uint8_t *qs = x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + j * 16;
                 int32_t x0, x1, x2, x3;
-                int16_t bsum;
                 memcpy(&x0, qs, 4);
                 memcpy(&x1, qs + 4, 4);
                 memcpy(&x2, qs + 8, 4);
                 memcpy(&x3, qs + 12, 4);
-                memcpy(&bsum, xb + 4 + QK_K + j * 2, 2);
                 const __m256i p01 = _mm256_add_epi16(
                     _mm256_maddubs_epi16(q0, _mm256_set1_epi32(x0)),
                     _mm256_maddubs_epi16(q1, _mm256_set1_epi32(x1)));
                 const __m256i p23 = _mm256_add_epi16(
                     _mm256_maddubs_epi16(q2, _mm256_set1_epi32(x2)),
                     _mm256_maddubs_epi16(q3, _mm256_set1_epi32(x3)));
-                const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p01, scale_pairs),
-                                                     _mm256_madd_epi16(p23, scale_pairs));
                 isum[r] = _mm256_add_epi32(
-                    isum[r], _mm256_add_epi32(dot, _mm256_madd_epi16(offset,
-                                                                     _mm256_set1_epi16(bsum))));
+                    isum[r], _mm256_add_epi32(_mm256_madd_epi16(p01, scale_pairs),
+                                              _mm256_madd_epi16(p23, scale_pairs)));
             }
+        }
+        /* The -32 offset once per block: each lane's scales of groups 2i and 2i+1 (int16
+         * pairs) times the activations' sums of those groups, then x -32. */
+        __m256i scale_pairs[Q6_SCALE_GROUPS / 2];
+        for (int i = 0; i < Q6_SCALE_GROUPS / 2; i++) {
+            int64_t even, odd;
+            memcpy(&even, scales + 2 * i * LANES + half * (LANES / 2), sizeof even);
+            memcpy(&odd, scales + (2 * i + 1) * LANES + half * (LANES / 2), sizeof odd);
+            scale_pairs[i] = _mm256_or_si256(
+                _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(even)), low_half),
+                _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(odd)), 16));
+        }
+        for (int r = 0; r < R; r++) {
+            const uint8_t *bsums = x + r * x_stride + b * Q8_K_BLOCK_BYTES + 4 + QK_K;
+            __m256i offset = _mm256_setzero_si256();
+            for (int i = 0; i < Q6_SCALE_GROUPS / 2; i++) {
+                int32_t two; /* the sums of groups 2i and 2i+1 */
+                memcpy(&two, bsums + 4 * i, 4);
+                offset = _mm256_add_epi32(offset,
+                                          _mm256_madd_epi16(scale_pairs[i], _mm256_set1_epi32(two)));
+            }
+            isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
         }
         const __m256 wscale = _mm256_cvtph_ps(
             _mm_loadu_si128((const __m128i *)(scales + Q6_TILE_SCALES + half * LANES)));
