@@ -174,8 +174,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
         const uint8_t *tile = w + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
         const uint8_t *scales = tile + Q6_TILE_VALUES;
         __m512i isum[ROWS_PER_PASS];
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
             isum[r] = _mm512_setzero_si512();
         }
         for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
@@ -200,8 +200,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
                 high_bits, 0xF8);
             const __m512i scale = _mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(scales + j * LANES)));
-        #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
                 const uint8_t *xb = x + r * x_stride + b * Q8_K_BLOCK_BYTES;
                 const uint8_t *qs = xb + 4 + j * 16;
                 int32_t x0, x1, x2, x3;
@@ -221,8 +221,8 @@ q6_tile_rows(const uint8_t *w, int64_t nbk, int64_t t, const int R, const uint8_
         }
         const __m512 wscale = _mm512_cvtph_ps(
             _mm256_loadu_si256((const __m256i *)(scales + Q6_TILE_SCALES)));
-    #pragma GCC unroll 8
-    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
             float xd;
             memcpy(&xd, x + r * x_stride + b * Q8_K_BLOCK_BYTES, sizeof xd);
             const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(xd), wscale);
@@ -320,12 +320,12 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
         }
         /* The -32 offset once per block: each lane's scales of groups 2i and 2i+1 (int16
          * pairs) times the activations' sums of those groups, then x -32. */
-        __m256i scale_pairs[Q6_SCALE_GROUPS / 2];
+        __m256i group_scales[Q6_SCALE_GROUPS / 2];
         for (int i = 0; i < Q6_SCALE_GROUPS / 2; i++) {
             int64_t even, odd;
             memcpy(&even, scales + 2 * i * LANES + half * (LANES / 2), sizeof even);
             memcpy(&odd, scales + (2 * i + 1) * LANES + half * (LANES / 2), sizeof odd);
-            scale_pairs[i] = _mm256_or_si256(
+            group_scales[i] = _mm256_or_si256(
                 _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(even)), low_half),
                 _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(odd)), 16));
         }
@@ -336,7 +336,7 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
                 int32_t two; /* the sums of groups 2i and 2i+1 */
                 memcpy(&two, bsums + 4 * i, 4);
                 offset = _mm256_add_epi32(offset,
-                                          _mm256_madd_epi16(scale_pairs[i], _mm256_set1_epi32(two)));
+                                          _mm256_madd_epi16(group_scales[i], _mm256_set1_epi32(two)));
             }
             isum[r] = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(offset, 5));
         }
