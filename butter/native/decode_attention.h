@@ -379,8 +379,9 @@ KEEP_IN_REGISTERS AVX2_TARGET static inline void attention_value_units_group(con
                 for (int b = 0; b < B; b++) {
                     sum[g][b] = _mm256_add_epi32(
                         sum[g][b], _mm256_castps_si256(_mm256_fmadd_ps(w, value[b], magic)));
-                    /* A register here: GCC otherwise kept two of the 4 x 2 sums on the stack,
-                     * each cell waiting on a store and a load (benchmarks/prompt_tiles.cpp). */
+                    /* Kept in a register. The library's build does so anyway; GCC's build of
+                     * benchmarks/prompt_tiles.cpp kept two of the 4 x 2 sums on the stack, each
+                     * cell waiting on a store and a load, and timed a slower loop than ships. */
                     __asm__("" : "+x"(sum[g][b]));
                 }
             }
