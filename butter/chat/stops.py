@@ -20,26 +20,33 @@ class StopMatcher:
             return ""
         if not self._stops:
             return text
-        pending = self._held + text
-        cut = self._earliest_stop(pending)
-        if cut is not None:
-            self._held = ""
-            return pending[:cut]
-        keep = self._partial_suffix_length(pending)
-        self._held = pending[len(pending) - keep:] if keep else ""
-        return pending[: len(pending) - keep]
+        return self._settle(self._held + text, final=False)
 
     def flush(self) -> str:
-        """End of stream: held text was not a stop after all."""
-        held, self._held = self._held, ""
-        return "" if self.matched is not None else held
+        """End of stream: held text is settled with nothing more to come."""
+        if self.matched is not None or not self._held:
+            self._held = ""
+            return ""
+        return self._settle(self._held, final=True)
 
-    def _earliest_stop(self, text: str) -> int | None:
-        best: int | None = None
+    def _settle(self, pending: str, *, final: bool) -> str:
+        """Emit what is decided. A stop found in `pending` decides only if no longer stop
+        could still begin before it (a held prefix of one), as the unsplit text would."""
+        open_at = len(pending) if final else len(pending) - self._partial_suffix_length(pending)
+        found = self._earliest_stop(pending)
+        if found is not None and found[0] <= open_at:
+            cut, self.matched = found
+            self._held = ""
+            return pending[:cut]
+        self._held = pending[open_at:]
+        return pending[:open_at]
+
+    def _earliest_stop(self, text: str) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
         for stop in self._stops:
             index = text.find(stop)
-            if index >= 0 and (best is None or index < best):
-                best, self.matched = index, stop
+            if index >= 0 and (best is None or index < best[0]):
+                best = (index, stop)
         return best
 
     def _partial_suffix_length(self, text: str) -> int:
