@@ -2,12 +2,13 @@
  * butter's prompt matmul kernels on one thread, without a server around them: one layer
  * matmul of `rows` activation rows (ggml's Q8_K rows) against an `n` x `k` Q4_K, Q5_K or
  * Q6_K matrix in butter's tiles (q4_k_q5_k_tiles.h, q6_k_tiles.h), walked as butter's
- * multiply_tiles walks it
- * (each tile of 16 matrix rows for every activation row, 8 rows a pass). Prints each
- * kernel's best time of `reps`, its multiply-adds per second, and whether the AVX2 and
- * AVX512-VNNI kernels give the same bytes (they must: the same integers, the same float
- * order). Without AVX512-VNNI, the AVX2 kernel alone. Random weights and activations: the
- * kernels' work does not depend on the values.
+ * multiply_tiles walks it (each tile of 16 matrix rows for every activation row, 8 rows a
+ * pass). Prints each kernel's best time of `reps`, its multiply-adds per second, and
+ * whether the kernels give the same bytes (they must: the same integers, the same float
+ * order): the AVX2 kernel on the tiles as they are, for Q5_K and Q6_K also as a prompt step
+ * runs it (each tile's values unpacked once before its passes), and the AVX512-VNNI kernel
+ * where the CPU has it. Random weights and activations: the kernels' work does not depend
+ * on the values.
  *
  *     g++ -O3 -std=c++17 -mf16c -Ibutter/native benchmarks/prompt_matmul.cpp -o /tmp/prompt_matmul
  *     /tmp/prompt_matmul                      # Qwen3-0.6B's gate: 512 rows, 3072 x 1024, Q4_K
@@ -70,40 +71,76 @@ std::vector<uint8_t> random_q8_k_rows(int64_t rows, int64_t k, std::mt19937 &rng
 
 typedef void (*TilePass)(const uint8_t *w, int64_t nbk, int64_t t, int R, const uint8_t *x,
                          int64_t x_stride, float *out, int64_t out_stride, int lanes);
+typedef void (*UnpackedPass)(const uint8_t *w, const uint8_t *u, int64_t nbk, int64_t t, int R,
+                             const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
+                             int lanes);
+typedef void (*Unpack)(const uint8_t *w, int64_t nbk, int64_t t, uint8_t *u);
+
+/* A kernel: `pass` on the tiles as they are, or (`unpack` set) `unpacked` on each tile's
+ * values unpacked once before its passes, as matmul.cpp runs the AVX2 Q5_K and Q6_K kernels
+ * on a prompt step. */
+struct Kernel {
+    const char *name;
+    TilePass pass;
+    Unpack unpack;
+    UnpackedPass unpacked;
+};
 
 /* Seconds for the whole matmul on one thread, into `out` (rows x n). */
-double run(TilePass pass, const std::vector<uint8_t> &tiles, const std::vector<uint8_t> &x,
+double run(const Kernel &kernel, const std::vector<uint8_t> &tiles, const std::vector<uint8_t> &x,
            int64_t rows, int64_t n, int64_t k, std::vector<float> &out) {
     const int64_t nbk = k / QK_K, n_tiles = (n + LANES - 1) / LANES;
     const int64_t row_bytes = nbk * Q8_K_BLOCK_BYTES;
+    std::vector<uint8_t> unpacked((size_t)(nbk * UNPACK_BLOCK_BYTES));
     out.assign((size_t)(rows * n), 0.0f);
     const auto began = std::chrono::steady_clock::now();
     for (int64_t t = 0; t < n_tiles; t++) {
         const int lanes = (int)(n - t * LANES < LANES ? n - t * LANES : LANES);
+        if (kernel.unpack != nullptr) {
+            kernel.unpack(tiles.data(), nbk, t, unpacked.data());
+        }
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
             const int R = (int)(rows - r0 < ROWS_PER_PASS ? rows - r0 : ROWS_PER_PASS);
-            pass(tiles.data(), nbk, t, R, x.data() + r0 * row_bytes, row_bytes,
-                 out.data() + r0 * n + t * LANES, n, lanes);
+            const uint8_t *xr = x.data() + r0 * row_bytes;
+            float *o = out.data() + r0 * n + t * LANES;
+            if (kernel.unpack != nullptr) {
+                kernel.unpacked(tiles.data(), unpacked.data(), nbk, t, R, xr, row_bytes, o, n,
+                                lanes);
+            } else {
+                kernel.pass(tiles.data(), nbk, t, R, xr, row_bytes, o, n, lanes);
+            }
         }
     }
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
 }
 
-/* A weight type's blocks, tiles and kernels. */
+/* A weight type's blocks, tiles and kernels (the AVX2 one unpacked too where matmul.cpp
+ * unpacks it; the VNNI one last). */
 struct Type {
     const char *name;
     int block_bytes, d_offset, tile_block_bytes;
     void (*pack)(const uint8_t *rows, int64_t n_rows, int64_t nbk, uint8_t *dst);
-    TilePass avx2, vnni;
+    Kernel kernels[3];
+    int count;
 };
 
 const Type TYPES[3] = {
     {"Q4_K", QK45<4>::BLOCK_BYTES, 0, QK45<4>::TILE_BLOCK_BYTES, qk45_tiles_pack<4>,
-     qk45_tile_pass_avx2<4>, qk45_tile_pass<4>},
+     {{"AVX2", qk45_tile_pass_avx2<4>, nullptr, nullptr},
+      {"AVX512-VNNI", qk45_tile_pass<4>, nullptr, nullptr}},
+     2},
     {"Q5_K", QK45<5>::BLOCK_BYTES, 0, QK45<5>::TILE_BLOCK_BYTES, qk45_tiles_pack<5>,
-     qk45_tile_pass_avx2<5>, qk45_tile_pass<5>},
-    {"Q6_K", Q6_K_BLOCK_BYTES, 208, Q6_TILE_BLOCK_BYTES, q6_tiles_pack, q6_tile_pass_avx2,
-     q6_tile_pass},
+     {{"AVX2", qk45_tile_pass_avx2<5>, nullptr, nullptr},
+      {"AVX2, values unpacked per tile", nullptr, qk45_unpack_tile_avx2<5>,
+       qk45_tile_pass_unpacked_avx2<5>},
+      {"AVX512-VNNI", qk45_tile_pass<5>, nullptr, nullptr}},
+     3},
+    {"Q6_K", Q6_K_BLOCK_BYTES, 208, Q6_TILE_BLOCK_BYTES, q6_tiles_pack,
+     {{"AVX2", q6_tile_pass_avx2, nullptr, nullptr},
+      {"AVX2, values unpacked per tile", nullptr, q6_unpack_tile_avx2,
+       q6_tile_pass_unpacked_avx2},
+      {"AVX512-VNNI", q6_tile_pass, nullptr, nullptr}},
+     3},
 };
 
 int bench(const Type &type, int64_t rows, int64_t n, int64_t k, int reps) {
@@ -116,26 +153,27 @@ int bench(const Type &type, int64_t rows, int64_t n, int64_t k, int reps) {
     const std::vector<uint8_t> x = random_q8_k_rows(rows, k, rng);
     const bool vnni = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vnni");
-    const TilePass passes[2] = {type.avx2, type.vnni};
-    const char *names[2] = {"AVX2", "AVX512-VNNI"};
-    std::vector<float> outputs[2];
-    for (int kind = 0; kind < (vnni ? 2 : 1); kind++) {
+    const int kinds = vnni ? type.count : type.count - 1; /* (the VNNI kernel is last) */
+    std::vector<float> outputs[3];
+    for (int kind = 0; kind < kinds; kind++) {
         double best = 1e30;
         for (int rep = 0; rep < reps; rep++) {
-            const double seconds = run(passes[kind], tiles, x, rows, n, k, outputs[kind]);
+            const double seconds = run(type.kernels[kind], tiles, x, rows, n, k, outputs[kind]);
             best = seconds < best ? seconds : best;
         }
         printf("%s %s: %.4f s, %.1f G multiply-adds/s (%lld rows x %lld x %lld, one "
                "thread)\n",
-               type.name, names[kind], best, (double)rows * n * k / best / 1e9,
+               type.name, type.kernels[kind].name, best, (double)rows * n * k / best / 1e9,
                (long long)rows, (long long)n, (long long)k);
     }
     if (!vnni) {
-        printf("(no AVX512-VNNI here: the AVX2 kernel alone)\n");
-        return 0;
+        printf("(no AVX512-VNNI here: the AVX2 kernels alone)\n");
     }
-    const bool same = memcmp(outputs[0].data(), outputs[1].data(),
-                             outputs[0].size() * sizeof(float)) == 0;
+    bool same = true;
+    for (int kind = 1; kind < kinds; kind++) {
+        same = same && memcmp(outputs[0].data(), outputs[kind].data(),
+                              outputs[0].size() * sizeof(float)) == 0;
+    }
     printf("outputs: %s\n", same ? "the same bytes" : "DIFFERENT");
     return same ? 0 : 2;
 }

@@ -75,12 +75,29 @@ size_t quantized_row_bytes(const tensor *w) {
     return (size_t)k + (size_t)(k / QK) * floats * sizeof(float);
 }
 
-/* Work buffer: the quantized rows, and one row of floats per thread to gather a row that
- * is not contiguous. */
+/* Whether the AVX2 kernels read a weight type's values unpacked (q6_unpack_tile_avx2,
+ * qk45_unpack_tile_avx2) in a step of this many rows: Q5_K's and Q6_K's, which cost more to
+ * unpack than to multiply, from a prompt's worth of rows (below it, unpacking a tile costs
+ * more than the passes over it save). Q4_K's unpack is cheap enough to leave in the loop. */
+#define UNPACK_MIN_ROWS 16
+
+bool unpacks(int type) {
+    return kernel_isa == BUTTER_ISA_AVX2 &&
+           (type == ggml_mirror::TYPE_Q6_K || type == ggml_mirror::TYPE_Q5_K);
+}
+
+/* One thread's room for a tile's values unpacked. */
+size_t unpacked_tile_bytes(const tensor *w) {
+    return aligned((size_t)(w->ne[0] / QK_K) * UNPACK_BLOCK_BYTES);
+}
+
+/* Work buffer: the quantized rows, one row of floats per thread to gather a row that is not
+ * contiguous, and (AVX2, Q5_K and Q6_K) one unpacked tile per thread. */
 size_t work_bytes(int n_threads, const tensor *op) {
-    const tensor *x = op->src[1];
-    return aligned((size_t)activation_rows(x) * quantized_row_bytes(op->src[0])) +
-           (size_t)n_threads * aligned((size_t)x->ne[0] * sizeof(float)) + ALIGN;
+    const tensor *w = op->src[0], *x = op->src[1];
+    return aligned((size_t)activation_rows(x) * quantized_row_bytes(w)) +
+           (size_t)n_threads * aligned((size_t)x->ne[0] * sizeof(float)) +
+           (unpacks(w->type) ? (size_t)n_threads * unpacked_tile_bytes(w) : 0) + ALIGN;
 }
 
 #ifdef BUTTER_X86
@@ -107,6 +124,8 @@ struct Q8Pass {
     int64_t k;
     bool vnni;
 
+    void begin(int64_t /*t*/) const {}
+
     void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
                     int lanes) const {
         if (vnni) {
@@ -127,6 +146,8 @@ struct NibblePass {
     int64_t nb;
     bool q4_1, vnni;
 
+    void begin(int64_t /*t*/) const {}
+
     void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
                     int lanes) const {
         const int64_t k = nb * QK;
@@ -146,21 +167,43 @@ typedef void (*KQuantTilePass)(const uint8_t *w, int64_t nbk, int64_t t, int R,
                                const uint8_t *x, int64_t x_stride, float *out,
                                int64_t out_stride, int lanes);
 
+/* The AVX2 kernels' variant that reads a tile's values from `u` (its unpacked bytes), and
+ * the unpacking (UNPACK_MIN_ROWS). */
+typedef void (*KQuantUnpackedPass)(const uint8_t *w, const uint8_t *u, int64_t nbk, int64_t t,
+                                   int R, const uint8_t *x, int64_t x_stride, float *out,
+                                   int64_t out_stride, int lanes);
+typedef void (*KQuantUnpack)(const uint8_t *w, int64_t nbk, int64_t t, uint8_t *u);
+
 struct KQuantPass {
     KQuantTilePass tile_pass;
     const uint8_t *w;
     const uint8_t *xq;
     int64_t nbk;
     int64_t row_bytes;
+    /* null: the tile's values unpacked in tile_pass; else unpack into `unpacked` first */
+    KQuantUnpack unpack = nullptr;
+    KQuantUnpackedPass unpacked_pass = nullptr;
+    uint8_t *unpacked = nullptr; /* this thread's */
+
+    void begin(int64_t t) const {
+        if (unpack != nullptr) {
+            unpack(w, nbk, t, unpacked);
+        }
+    }
 
     void operator()(int64_t t, int64_t r, int R, float *out, int64_t out_stride,
                     int lanes) const {
-        tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
+        if (unpack != nullptr) {
+            unpacked_pass(w, unpacked, nbk, t, R, xq + r * row_bytes, row_bytes, out,
+                          out_stride, lanes);
+        } else {
+            tile_pass(w, nbk, t, R, xq + r * row_bytes, row_bytes, out, out_stride, lanes);
+        }
     }
 };
 
 /* This thread's share of the tiles, for every activation row: a tile's weights stay in
- * cache across the passes of 8 rows. */
+ * cache across the passes of 8 rows (`begin` readies a tile for them). */
 template <class Pass>
 void multiply_tiles(const compute_params *params, tensor *dst, int64_t rows, const Pass &pass) {
     const tensor *x = dst->src[1];
@@ -169,6 +212,7 @@ void multiply_tiles(const compute_params *params, tensor *dst, int64_t rows, con
     const int64_t last = n_tiles * (params->ith + 1) / params->nth;
     for (int64_t t = first; t < last; t++) {
         const int lanes = (int)(n - t * LANES < LANES ? n - t * LANES : LANES);
+        pass.begin(t);
         for (int64_t r0 = 0; r0 < rows; r0 += ROWS_PER_PASS) {
             const int R = (int)(rows - r0 < ROWS_PER_PASS ? rows - r0 : ROWS_PER_PASS);
             /* Rows of dst are evenly spaced within one (i2, i3) slice only: a pass that
@@ -211,8 +255,9 @@ void multiply(compute_params *params, tensor *dst) {
     const tensor *x = dst->src[1];
     const int64_t k = w->ne[0], rows = activation_rows(x);
     uint8_t *xq = (uint8_t *)aligned_work(params);
-    float *gather = (float *)(xq + aligned((size_t)rows * quantized_row_bytes(w)) +
-                              (size_t)params->ith * aligned((size_t)k * sizeof(float)));
+    uint8_t *gathers = xq + aligned((size_t)rows * quantized_row_bytes(w));
+    const size_t gather_bytes = aligned((size_t)k * sizeof(float));
+    float *gather = (float *)(gathers + (size_t)params->ith * gather_bytes);
     if (is_nibble_type(w->type)) {
         const int64_t nb = k / QK;
         const bool q4_1 = w->type == ggml_mirror::TYPE_Q4_1;
@@ -231,9 +276,16 @@ void multiply(compute_params *params, tensor *dst) {
             q8_k_quantize_row(activation_row(x, r, gather), xq + r * row_bytes, k);
         }
         barrier(params);
-        multiply_tiles(params, dst, rows,
-                       KQuantPass{k_quant_tile_pass(w->type), (const uint8_t *)w->data, xq,
-                                  k / QK_K, row_bytes});
+        KQuantPass pass{k_quant_tile_pass(w->type), (const uint8_t *)w->data, xq, k / QK_K,
+                        row_bytes};
+        if (unpacks(w->type) && rows >= UNPACK_MIN_ROWS) {
+            const bool q6 = w->type == ggml_mirror::TYPE_Q6_K;
+            pass.unpack = q6 ? q6_unpack_tile_avx2 : qk45_unpack_tile_avx2<5>;
+            pass.unpacked_pass = q6 ? q6_tile_pass_unpacked_avx2 : qk45_tile_pass_unpacked_avx2<5>;
+            pass.unpacked = gathers + (size_t)params->nth * gather_bytes +
+                            (size_t)params->ith * unpacked_tile_bytes(w);
+        }
+        multiply_tiles(params, dst, rows, pass);
     } else {
         const int64_t nb = k / QK;
         const bool vnni = kernel_isa == BUTTER_ISA_AVX512_VNNI;

@@ -256,6 +256,45 @@ qk45_group_avx2(__m256i low, __m256i high) {
     return _mm256_or_si256(value, _mm256_and_si256(bit, _mm256_set1_epi8(0x10)));
 }
 
+/* Groups 4k..4k+3 of a sub-block's half (8 lanes x 16 columns) as bytes, from its chunk at
+ * `half_chunk` (the chunk plus the half's 32-byte offset). */
+template <int BITS>
+AVX2_TARGET static inline __attribute__((always_inline)) void
+qk45_groups_avx2(const uint8_t *half_chunk, int k, __m256i *q) {
+    const __m256i h = BITS == 5 ? _mm256_loadu_si256((const __m256i *)(half_chunk + 256))
+                                : _mm256_setzero_si256();
+    const __m256i la = _mm256_loadu_si256((const __m256i *)(half_chunk + 128 * k));
+    const __m256i lb = _mm256_loadu_si256((const __m256i *)(half_chunk + 128 * k + 64));
+    q[0] = k ? qk45_group_avx2<BITS, 4>(la, h) : qk45_group_avx2<BITS, 0>(la, h);
+    q[1] = k ? qk45_group_avx2<BITS, 5>(la, h) : qk45_group_avx2<BITS, 1>(la, h);
+    q[2] = k ? qk45_group_avx2<BITS, 6>(lb, h) : qk45_group_avx2<BITS, 2>(lb, h);
+    q[3] = k ? qk45_group_avx2<BITS, 7>(lb, h) : qk45_group_avx2<BITS, 3>(lb, h);
+}
+
+/* Tile t's values as bytes, as the AVX2 kernel reads them (UNPACK_BLOCK_BYTES a block:
+ * [sub-block][k][half][group][8 lanes x 4 columns]), so that a prompt step's passes over
+ * the tile load them instead of unpacking them again for every 4 rows. */
+template <int BITS>
+AVX2_TARGET static inline void qk45_unpack_tile_avx2(const uint8_t *w, int64_t nbk, int64_t t,
+                                                     uint8_t *u) {
+    typedef QK45<BITS> T;
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * T::TILE_BLOCK_BYTES;
+        for (int j = 0; j < QK45_SUB_BLOCKS; j++) {
+            for (int k = 0; k < 2; k++) {
+                for (int half = 0; half < 2; half++) {
+                    __m256i q[4];
+                    qk45_groups_avx2<BITS>(tile + j * T::CHUNK + half * 32, k, q);
+                    uint8_t *values = u + (((b * QK45_SUB_BLOCKS + j) * 2 + k) * 2 + half) * 128;
+                    for (int g = 0; g < 4; g++) {
+                        _mm256_storeu_si256((__m256i *)(values + 32 * g), q[g]);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
  * AVX2_ROWS) rows. maddubs pairs of values (at most 31) and signed activations are at most
  * 2 x 31 x 128, so four groups' pairs add in 16 bits; madd multiplies each lane's pairs by
@@ -263,11 +302,11 @@ qk45_group_avx2(__m256i low, __m256i high) {
  * both halves of a sub-block spills registers: slower.) The mins' side is
  * summed once per block, two sub-blocks per madd (each lane's pair of mins times the
  * activations' pair of sub-block sums). The integers are the VNNI kernel's. */
-template <int BITS>
+template <int BITS, bool UNPACKED>
 AVX2_TARGET static inline __attribute__((always_inline)) void
-qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
-                    const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
-                    int keep) {
+qk45_half_rows_avx2(const uint8_t *w, const uint8_t *u, int64_t nbk, int64_t t, int half,
+                    const int R, const uint8_t *x, int64_t x_stride, float *out,
+                    int64_t out_stride, int keep) {
     typedef QK45<BITS> T;
     const int h32 = half * 32; /* this half's bytes in each 64-byte part of a chunk */
     __m256 acc[AVX2_ROWS];
@@ -284,24 +323,27 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
         }
         for (int j = 0; j < QK45_SUB_BLOCKS; j++) {
             const uint8_t *chunk = tile + j * T::CHUNK;
-            for (int p = 0; p < T::CHUNK; p += 64) { /* the chunk a block ahead */
-                _mm_prefetch((const char *)(chunk + T::TILE_BLOCK_BYTES + p + h32), _MM_HINT_T0);
+            if (!UNPACKED) {
+                for (int p = 0; p < T::CHUNK; p += 64) { /* the chunk a block ahead */
+                    _mm_prefetch((const char *)(chunk + T::TILE_BLOCK_BYTES + p + h32),
+                                 _MM_HINT_T0);
+                }
             }
-            const __m256i h = BITS == 5
-                                  ? _mm256_loadu_si256((const __m256i *)(chunk + 256 + h32))
-                                  : _mm256_setzero_si256();
             int64_t eight;
             memcpy(&eight, scales + j * LANES + half * (LANES / 2), sizeof eight);
             const __m256i scale = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(eight));
             const __m256i scale_pairs = _mm256_or_si256(scale, _mm256_slli_epi32(scale, 16));
             for (int k = 0; k < 2; k++) { /* groups 4k..4k+3 */
-                const __m256i la = _mm256_loadu_si256((const __m256i *)(chunk + 128 * k + h32));
-                const __m256i lb =
-                    _mm256_loadu_si256((const __m256i *)(chunk + 128 * k + 64 + h32));
-                const __m256i q0 = k ? qk45_group_avx2<BITS, 4>(la, h) : qk45_group_avx2<BITS, 0>(la, h);
-                const __m256i q1 = k ? qk45_group_avx2<BITS, 5>(la, h) : qk45_group_avx2<BITS, 1>(la, h);
-                const __m256i q2 = k ? qk45_group_avx2<BITS, 6>(lb, h) : qk45_group_avx2<BITS, 2>(lb, h);
-                const __m256i q3 = k ? qk45_group_avx2<BITS, 7>(lb, h) : qk45_group_avx2<BITS, 3>(lb, h);
+                __m256i q[4];
+                if (UNPACKED) {
+                    const uint8_t *values = u + (((b * QK45_SUB_BLOCKS + j) * 2 + k) * 2 + half) * 128;
+                    for (int g = 0; g < 4; g++) {
+                        q[g] = _mm256_loadu_si256((const __m256i *)(values + 32 * g));
+                    }
+                } else {
+                    qk45_groups_avx2<BITS>(chunk + h32, k, q);
+                }
+                const __m256i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
                 for (int r = 0; r < R; r++) {
                     const uint8_t *qs = xb + r * x_stride + 4 + j * 32 + k * 16;
                     int32_t x0, x1, x2, x3;
@@ -352,24 +394,44 @@ qk45_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const in
     }
 }
 
-/* qk45_tile_pass with the AVX2 kernel, for any R from 1 to 8. */
-template <int BITS>
-AVX2_TARGET static inline void qk45_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
-                                                   const uint8_t *x, int64_t x_stride, float *out,
-                                                   int64_t out_stride, int lanes) {
+/* qk45_tile_pass with the AVX2 kernel, for any R from 1 to 8; with UNPACKED, the values
+ * from `u` (qk45_unpack_tile_avx2's bytes of tile t). */
+template <int BITS, bool UNPACKED>
+AVX2_TARGET static inline void qk45_tile_pass_avx2_from(const uint8_t *w, const uint8_t *u,
+                                                        int64_t nbk, int64_t t, int R,
+                                                        const uint8_t *x, int64_t x_stride,
+                                                        float *out, int64_t out_stride,
+                                                        int lanes) {
     for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
         const uint8_t *xr = x + r0 * x_stride;
         float *o = out + r0 * out_stride;
         for (int half = 0; half < 2; half++) {
             const int keep = lanes - half * (LANES / 2);
             switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
-            case 1: qk45_half_rows_avx2<BITS>(w, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
-            case 2: qk45_half_rows_avx2<BITS>(w, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
-            case 3: qk45_half_rows_avx2<BITS>(w, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
-            default: qk45_half_rows_avx2<BITS>(w, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
+            case 1: qk45_half_rows_avx2<BITS, UNPACKED>(w, u, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
+            case 2: qk45_half_rows_avx2<BITS, UNPACKED>(w, u, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
+            case 3: qk45_half_rows_avx2<BITS, UNPACKED>(w, u, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
+            default: qk45_half_rows_avx2<BITS, UNPACKED>(w, u, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
             }
         }
     }
+}
+
+template <int BITS>
+AVX2_TARGET static inline void qk45_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                                   const uint8_t *x, int64_t x_stride, float *out,
+                                                   int64_t out_stride, int lanes) {
+    qk45_tile_pass_avx2_from<BITS, false>(w, nullptr, nbk, t, R, x, x_stride, out, out_stride,
+                                          lanes);
+}
+
+template <int BITS>
+AVX2_TARGET static inline void qk45_tile_pass_unpacked_avx2(const uint8_t *w, const uint8_t *u,
+                                                            int64_t nbk, int64_t t, int R,
+                                                            const uint8_t *x, int64_t x_stride,
+                                                            float *out, int64_t out_stride,
+                                                            int lanes) {
+    qk45_tile_pass_avx2_from<BITS, true>(w, u, nbk, t, R, x, x_stride, out, out_stride, lanes);
 }
 
 #endif /* BUTTER_X86 */

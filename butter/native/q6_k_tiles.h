@@ -40,6 +40,7 @@
 #define Q6_TILE_VALUES (Q6_SCALE_GROUPS * Q6_CHUNK)
 #define Q6_TILE_SCALES 256
 #define Q6_TILE_BLOCK_BYTES (Q6_TILE_VALUES + Q6_TILE_SCALES + LANES * 2)
+#define UNPACK_BLOCK_BYTES (LANES * QK_K) /* a tile's block of K-quant values as bytes */
 
 #ifdef BUTTER_X86
 /* One row of activations as ggml's quantize_row_q8_K (quantize_row_q8_K_ref on x86) makes
@@ -252,6 +253,43 @@ VNNI_BW_TARGET static inline void q6_tile_pass(const uint8_t *w, int64_t nbk, in
     }
 }
 
+/* The four groups of a scale group's half (8 lanes x 16 columns) as bytes 0..63, from its
+ * chunk at `half_chunk` (the chunk plus the half's 32-byte offset). */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+q6_groups_avx2(const uint8_t *half_chunk, __m256i *q) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+    const __m256i l01 = _mm256_loadu_si256((const __m256i *)half_chunk);
+    const __m256i l23 = _mm256_loadu_si256((const __m256i *)(half_chunk + 64));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(half_chunk + 128));
+    q[0] = _mm256_or_si256(_mm256_and_si256(l01, nibble),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 4), high_bits));
+    q[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l01, 4), nibble),
+                           _mm256_and_si256(_mm256_slli_epi16(h, 2), high_bits));
+    q[2] = _mm256_or_si256(_mm256_and_si256(l23, nibble), _mm256_and_si256(h, high_bits));
+    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l23, 4), nibble),
+                           _mm256_and_si256(_mm256_srli_epi16(h, 2), high_bits));
+}
+
+/* Tile t's values as bytes, as the AVX2 kernel reads them (`UNPACK_BLOCK_BYTES` a block:
+ * [scale group][half][group][8 lanes x 4 columns]), so that a prompt step's passes over
+ * the tile load them instead of unpacking them again for every 4 rows. */
+AVX2_TARGET static inline void q6_unpack_tile_avx2(const uint8_t *w, int64_t nbk, int64_t t,
+                                                   uint8_t *u) {
+    for (int64_t b = 0; b < nbk; b++) {
+        const uint8_t *tile = w + (t * nbk + b) * Q6_TILE_BLOCK_BYTES;
+        for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
+            for (int half = 0; half < 2; half++) {
+                __m256i q[4];
+                q6_groups_avx2(tile + j * Q6_CHUNK + half * 32, q);
+                uint8_t *values = u + ((b * Q6_SCALE_GROUPS + j) * 2 + half) * 128;
+                for (int g = 0; g < 4; g++) {
+                    _mm256_storeu_si256((__m256i *)(values + 32 * g), q[g]);
+                }
+            }
+        }
+    }
+}
+
 /* The AVX2 kernel over the same tiles: half `half` (8 lanes) of tile t for R (up to
  * AVX2_ROWS) rows. maddubs multiplies the unsigned 6-bit values by the signed activations
  * into 16-bit pairs of at most 2 x 63 x 128, so two groups' pairs add without overflow;
@@ -260,10 +298,9 @@ VNNI_BW_TARGET static inline void q6_tile_pass(const uint8_t *w, int64_t nbk, in
  * per 16, two groups per madd (scales and sums fit 16 bits). The integers are the VNNI
  * kernel's. */
 AVX2_TARGET static inline __attribute__((always_inline)) void
-q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int R,
-                  const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
-                  int keep) {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), high_bits = _mm256_set1_epi8(0x30);
+q6_half_rows_avx2(const uint8_t *w, const uint8_t *u, int64_t nbk, int64_t t, int half,
+                  const int R, const uint8_t *x, int64_t x_stride, float *out,
+                  int64_t out_stride, int keep) {
     const __m256i low_half = _mm256_set1_epi32(0xFFFF);
     const int h32 = half * 32; /* this half's bytes in each 64-byte part of a chunk */
     __m256 acc[AVX2_ROWS];
@@ -278,23 +315,21 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
             isum[r] = _mm256_setzero_si256();
         }
         for (int j = 0; j < Q6_SCALE_GROUPS; j++) {
-            const uint8_t *chunk = tile + j * Q6_CHUNK;
-            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + h32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 64 + h32), _MM_HINT_T0);
-            _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 128 + h32), _MM_HINT_T0);
-            const __m256i l01 = _mm256_loadu_si256((const __m256i *)(chunk + h32));
-            const __m256i l23 = _mm256_loadu_si256((const __m256i *)(chunk + 64 + h32));
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(chunk + 128 + h32));
-            const __m256i q0 = _mm256_or_si256(_mm256_and_si256(l01, nibble),
-                                               _mm256_and_si256(_mm256_slli_epi16(h, 4), high_bits));
-            const __m256i q1 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l01, 4), nibble),
-                _mm256_and_si256(_mm256_slli_epi16(h, 2), high_bits));
-            const __m256i q2 = _mm256_or_si256(_mm256_and_si256(l23, nibble),
-                                               _mm256_and_si256(h, high_bits));
-            const __m256i q3 = _mm256_or_si256(
-                _mm256_and_si256(_mm256_srli_epi16(l23, 4), nibble),
-                _mm256_and_si256(_mm256_srli_epi16(h, 2), high_bits));
+            __m256i q[4];
+            if (u != NULL) { /* (a constant where this is inlined) */
+                const uint8_t *values = u + ((b * Q6_SCALE_GROUPS + j) * 2 + half) * 128;
+                for (int g = 0; g < 4; g++) {
+                    q[g] = _mm256_loadu_si256((const __m256i *)(values + 32 * g));
+                }
+            } else {
+                const uint8_t *chunk = tile + j * Q6_CHUNK;
+                for (int p = 0; p < 3; p++) {
+                    _mm_prefetch((const char *)(chunk + Q6_TILE_BLOCK_BYTES + 64 * p + h32),
+                                 _MM_HINT_T0);
+                }
+                q6_groups_avx2(chunk + h32, q);
+            }
+            const __m256i q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
             int64_t eight;
             memcpy(&eight, scales + j * LANES + half * (LANES / 2), sizeof eight);
             const __m256i scale = _mm256_cvtepi8_epi32(_mm_cvtsi64_si128(eight));
@@ -354,23 +389,39 @@ q6_half_rows_avx2(const uint8_t *w, int64_t nbk, int64_t t, int half, const int 
     }
 }
 
-/* q6_tile_pass with the AVX2 kernel, for any R >= 1 (in runs of AVX2_ROWS rows). */
-AVX2_TARGET static inline void q6_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
-                                                 const uint8_t *x, int64_t x_stride, float *out,
-                                                 int64_t out_stride, int lanes) {
+/* q6_tile_pass with the AVX2 kernel, for any R >= 1 (in runs of AVX2_ROWS rows); the values
+ * from `u` (q6_unpack_tile_avx2's bytes of tile t) unless it is NULL. */
+AVX2_TARGET static inline __attribute__((always_inline)) void
+q6_tile_pass_avx2_from(const uint8_t *w, const uint8_t *u, int64_t nbk, int64_t t, int R,
+                       const uint8_t *x, int64_t x_stride, float *out, int64_t out_stride,
+                       int lanes) {
     for (int r0 = 0; r0 < R; r0 += AVX2_ROWS) {
         const uint8_t *xr = x + r0 * x_stride;
         float *o = out + r0 * out_stride;
         for (int half = 0; half < 2; half++) {
             const int keep = lanes - half * (LANES / 2);
             switch (R - r0 < AVX2_ROWS ? R - r0 : AVX2_ROWS) {
-            case 1: q6_half_rows_avx2(w, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
-            case 2: q6_half_rows_avx2(w, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
-            case 3: q6_half_rows_avx2(w, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
-            default: q6_half_rows_avx2(w, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
+            case 1: q6_half_rows_avx2(w, u, nbk, t, half, 1, xr, x_stride, o, out_stride, keep); break;
+            case 2: q6_half_rows_avx2(w, u, nbk, t, half, 2, xr, x_stride, o, out_stride, keep); break;
+            case 3: q6_half_rows_avx2(w, u, nbk, t, half, 3, xr, x_stride, o, out_stride, keep); break;
+            default: q6_half_rows_avx2(w, u, nbk, t, half, 4, xr, x_stride, o, out_stride, keep); break;
             }
         }
     }
+}
+
+AVX2_TARGET static inline void q6_tile_pass_avx2(const uint8_t *w, int64_t nbk, int64_t t, int R,
+                                                 const uint8_t *x, int64_t x_stride, float *out,
+                                                 int64_t out_stride, int lanes) {
+    q6_tile_pass_avx2_from(w, NULL, nbk, t, R, x, x_stride, out, out_stride, lanes);
+}
+
+AVX2_TARGET static inline void q6_tile_pass_unpacked_avx2(const uint8_t *w, const uint8_t *u,
+                                                          int64_t nbk, int64_t t, int R,
+                                                          const uint8_t *x, int64_t x_stride,
+                                                          float *out, int64_t out_stride,
+                                                          int lanes) {
+    q6_tile_pass_avx2_from(w, u, nbk, t, R, x, x_stride, out, out_stride, lanes);
 }
 
 #endif /* BUTTER_X86 */

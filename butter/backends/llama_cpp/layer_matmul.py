@@ -100,7 +100,9 @@ ISA_VARIABLE = "BUTTER_KERNEL_ISA"  # (shared with the output projection: lmhead
 # (a single stream), a partial pass of the AVX2 kernel (5 = 4 + 1), a whole pass of 8; n
 # is 2 whole tiles and half of one (a matrix's last tile may be partial), k two K-quant
 # blocks. Each compares butter's kernel with llama.cpp's on 2 threads.
-SELF_CHECK_SHAPES = ((512, 40, 1), (512, 40, 5), (512, 40, 8))
+# Rows 1, 5 and 8 as a decode step meets them, and 21 as a prompt step does (2 passes of 8
+# and one of 5; from 16 rows the AVX2 kernels read Q5_K and Q6_K values unpacked).
+SELF_CHECK_SHAPES = ((512, 40, 1), (512, 40, 5), (512, 40, 8), (512, 40, 21))
 SELF_CHECK_THREADS = 2
 # Both compute the same integer block products; only the float sums over blocks differ in
 # order, so the largest difference is float rounding of the largest value.
