@@ -5,16 +5,19 @@
  * f16 cache whose cells hold their KV heads side by side, as llama.cpp's does). Prints
  * each one's best time of `reps` and its multiply-adds per second, and whether their
  * outputs are the same bytes (they must be: the same per-cell operations). Without
- * AVX-512, the AVX2 tiles alone.
+ * AVX-512, or with BUTTER_KERNEL_ISA=avx2 (as the server takes it: the AVX2 class's
+ * stand-in), the AVX2 tiles alone.
  *
  *     g++ -O3 -std=c++17 -mf16c -Ibutter/native benchmarks/prompt_tiles.cpp -o /tmp/prompt_tiles
  *     /tmp/prompt_tiles 8192 256 3            # context, rows, reps
  *     /tmp/prompt_tiles 8192 256 3 32 8 64    # ... heads, KV heads, dimension
+ *     BUTTER_KERNEL_ISA=avx2 /tmp/prompt_tiles 8192 256 3
  */
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <strings.h>
 #include <random>
 #include <vector>
 
@@ -94,8 +97,12 @@ int main(int argc, char **argv) {
     /* queries x (keys + values) x cells each row sees */
     const double macs = (double)step.heads * step.dim * 2 * step.rows *
                         ((double)step.context + (double)(step.rows + 1) / 2);
-    /* Without AVX-512 (or on a width not a multiple of 16) the AVX2 tiles alone. */
-    const int kinds = wide_takes(step.view) && __builtin_cpu_supports("avx512f") ? 2 : 1;
+    /* Without AVX-512 (or on a width not a multiple of 16, or when asked) the AVX2 tiles
+     * alone. */
+    const char *isa = getenv("BUTTER_KERNEL_ISA");
+    const bool avx2_asked = isa != nullptr && strcasecmp(isa, "avx2") == 0;
+    const int kinds =
+        wide_takes(step.view) && __builtin_cpu_supports("avx512f") && !avx2_asked ? 2 : 1;
     std::vector<float> outputs[2];
     for (int wide = 0; wide < kinds; wide++) {
         double best = 1e30;
@@ -108,8 +115,8 @@ int main(int argc, char **argv) {
                (long long)step.rows);
     }
     if (kinds == 1) {
-        printf("(the AVX-512 tiles do not run here: no AVX-512F, or a width not a multiple "
-               "of 16)\n");
+        printf("(the AVX-512 tiles do not run here: no AVX-512F, a width not a multiple "
+               "of 16, or BUTTER_KERNEL_ISA=avx2)\n");
         return 0;
     }
     const bool same = memcmp(outputs[0].data(), outputs[1].data(),
