@@ -75,10 +75,11 @@ size_t quantized_row_bytes(const tensor *w) {
     return (size_t)k + (size_t)(k / QK) * floats * sizeof(float);
 }
 
-/* Whether the AVX2 kernels read a weight type's values unpacked (q6_unpack_tile_avx2,
- * qk45_unpack_tile_avx2) in a step of this many rows: Q5_K's and Q6_K's, which cost more to
- * unpack than to multiply, from a prompt's worth of rows (below it, unpacking a tile costs
- * more than the passes over it save). Q4_K's unpack is cheap enough to leave in the loop. */
+/* Whether the AVX2 kernels read a weight type's values unpacked once per tile
+ * (q6_unpack_tile_avx2, qk45_unpack_tile_avx2) instead of again for every 4 rows: Q5_K's and
+ * Q6_K's, whose unpacking is a large part of the loop, in steps of UNPACK_MIN_ROWS or more
+ * (fewer rows pass over a tile too few times to repay it). Loading Q4_K's values unpacked
+ * measured no faster than its two instructions a group. */
 #define UNPACK_MIN_ROWS 16
 
 bool unpacks(int type) {
